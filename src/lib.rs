@@ -1,0 +1,16 @@
+//! agentd: the runtime under the agent. The model proposes; agentd decides, executes, records
+//! and verifies.
+//!
+//! Layout (see ARCHITECTURE.md for the full map):
+//! - `run`: the pure run state machine and the actors that execute it;
+//! - `model`, `tool`: providers, tools and the shared rate-limited pools;
+//! - `store`: checkpoints, leases, control inbox and event logs;
+//! - `ids`, `idempotency`, `clock`: small shared pieces.
+
+pub mod clock;
+pub mod idempotency;
+pub mod ids;
+pub mod model;
+pub mod run;
+pub mod store;
+pub mod tool;

@@ -1,0 +1,2 @@
+//! The agentd binary.
+fn main() {}

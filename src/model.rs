@@ -1,0 +1,168 @@
+//! What a model provider is to the runtime: the `ModelProvider` trait, the provider-neutral
+//! conversation types, and the classified errors the gateway acts on.
+//!
+//! Providers: `scripted` (cassettes, for tests, the demo and the benchmark). The shared pool
+//! that calls them is `gateway`.
+
+// pub mod gateway;
+// pub mod scripted;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::RunId;
+
+/// One message of a run's conversation, in a provider-neutral shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Message {
+    /// Operator-controlled instructions. Never carries tool output.
+    System { content: String },
+    /// The goal, operator input, and runtime notes (corrections, nudges, verifier reasons).
+    User { content: String },
+    /// What the model said: text, tool calls, or both.
+    Assistant {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        content: Option<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<ModelToolCall>,
+    },
+    /// The envelope of one tool result, answering the assistant call with `call_id`.
+    Tool { call_id: String, content: String },
+}
+
+/// A tool call as the model wrote it: the arguments are still an unparsed JSON string.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelToolCall {
+    /// The id the model gave the call (echoed back on the tool message).
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A tool as offered to the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolDefinition {
+    pub name: String,
+    pub description: String,
+    pub parameters: Value,
+}
+
+/// Whether the model may call tools on this turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolChoice {
+    Auto,
+    /// Used for the forced final turn of no-progress escalation.
+    None,
+}
+
+/// One request to a model.
+#[derive(Debug, Clone)]
+pub struct ModelRequest {
+    pub run_id: RunId,
+    /// The configured model name (key of `[models.*]`).
+    pub model: String,
+    pub messages: Vec<Message>,
+    pub tools: Vec<ToolDefinition>,
+    pub tool_choice: ToolChoice,
+}
+
+/// Tokens a reply consumed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenUsage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// A model's raw reply. Parsed into a decision by `run::decision`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelReply {
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub tool_calls: Vec<ModelToolCall>,
+    #[serde(default)]
+    pub usage: TokenUsage,
+}
+
+/// A classified model failure. The gateway retries what is retryable; what reaches the run is
+/// final for that attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct ModelError {
+    pub kind: ModelErrorKind,
+    pub message: String,
+}
+
+impl ModelError {
+    pub fn new(kind: ModelErrorKind, message: impl Into<String>) -> Self {
+        ModelError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// How a model failure is handled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelErrorKind {
+    /// The gateway's queue was full: the run retries later with backoff.
+    Overloaded,
+    /// The provider said 429; `retry_after` is honoured by the gateway.
+    RateLimited,
+    /// Timeout, 5xx or connection failure.
+    Unavailable,
+    /// The request itself was refused (4xx other than 408/429, auth): retrying cannot help.
+    Rejected,
+}
+
+impl std::fmt::Display for ModelErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ModelErrorKind::Overloaded => "overloaded",
+            ModelErrorKind::RateLimited => "rate_limited",
+            ModelErrorKind::Unavailable => "unavailable",
+            ModelErrorKind::Rejected => "rejected",
+        })
+    }
+}
+
+impl ModelErrorKind {
+    /// Whether another attempt of the same request may succeed.
+    pub fn is_retryable(self) -> bool {
+        !matches!(self, ModelErrorKind::Rejected)
+    }
+}
+
+/// A failed attempt as seen by the gateway's retry loop.
+#[derive(Debug, Clone)]
+pub struct AttemptError {
+    pub error: ModelError,
+    /// A provider-given minimum wait (from `Retry-After`).
+    pub retry_after: Option<Duration>,
+}
+
+impl From<ModelError> for AttemptError {
+    fn from(error: ModelError) -> Self {
+        AttemptError {
+            error,
+            retry_after: None,
+        }
+    }
+}
+
+/// A model backend: OpenAI-compatible HTTP, or a scripted cassette.
+#[async_trait]
+pub trait ModelProvider: Send + Sync + 'static {
+    /// The provider's configured name, for logs and metrics.
+    fn name(&self) -> &str;
+
+    /// One attempt at a completion. Must not retry by itself: the gateway owns retries so that
+    /// every attempt is counted and rate-limited.
+    async fn complete(&self, request: &ModelRequest) -> Result<ModelReply, AttemptError>;
+}

@@ -1,0 +1,1152 @@
+//! The run state machine: one pure transition function, `step(state, event, context)`.
+//!
+//! No I/O, no clock reads, no randomness: `context` carries `now_ms`, the agent's tool catalog
+//! and the policy; backoff jitter is derived from the run id and attempt. The actor carries out
+//! the returned effects after the new state and its one event are committed.
+//!
+//! On `Err` the state is left exactly as it was.
+//!
+//! ## Transition table
+//!
+//! `*` is any non-terminal status. "next turn" = deliver queued input, check the model budget
+//! (turns, tokens, deadline), then `running/awaiting_model` + `CallModel`, or `failed`
+//! (`budget_exceeded`). "advance batch" = if any call awaits an operator → `waiting_approval`;
+//! else dispatch `ready` calls (`ExecuteTool`) → `running/executing_tools`; else wait for
+//! in-flight calls; else (all done) append the tool messages, run no-progress detection
+//! (continue, nudge, force final, or `failed`/`no_progress`) and take the next turn.
+//!
+//! | from | event | to | effects | event type |
+//! |---|---|---|---|---|
+//! | created | Start | next turn | CallModel | run_started |
+//! | created | Resume | next turn | CallModel | run_resumed |
+//! | created, running, waiting_approval | Input | same | — | input_queued |
+//! | running/awaiting_model | ModelReplied: final | running/verifying | Verify | model_replied |
+//! | running/awaiting_model | ModelReplied: tool calls | validating_calls → advance batch | ExecuteTool… | model_replied |
+//! | running/awaiting_model | ModelReplied: ask_user | waiting_input | — | input_requested |
+//! | running/awaiting_model | ModelReplied: malformed | next turn with a correction, or failed (`invalid_model_output`) | CallModel | model_replied |
+//! | running/awaiting_model | ModelFailed: retryable | same, or failed (`model_unavailable`) | ScheduleRetry | model_failed |
+//! | running/awaiting_model | ModelFailed: rejected | failed (`model_rejected`) | AbortInFlight, Finish | run_failed |
+//! | running/awaiting_model | RetryDue | same | CallModel | model_retry |
+//! | running/executing_tools | ToolFinished | advance batch (unknown outcome: resend, reconcile or park) | … | tool_call_finished |
+//! | running/executing_tools | RetryDue | advance batch | ExecuteTool… | tool_retry |
+//! | running/reconciling | StatusChecked | advance batch | … | call_reconciled |
+//! | running/verifying | VerificationDone: ok | succeeded | Finish | run_succeeded |
+//! | running/verifying | VerificationDone: rejected | next turn, or failed (`verification_failed`) | CallModel | verification_rejected |
+//! | waiting_approval | Approve | advance batch | ExecuteTool… | call_approved |
+//! | waiting_approval | Reject | advance batch | … | call_rejected |
+//! | waiting_input | Input | next turn | CallModel | input_received |
+//! | running, waiting_* | Resume | re-issue in-flight work by tool policy | CallModel / ExecuteTool / CheckStatus / Verify | run_resumed |
+//! | * | Cancel | cancelled | AbortInFlight, Finish | run_cancelled |
+//! | * | Abort | failed (given code) | AbortInFlight, Finish | run_failed |
+//! | * | DeadlineReached | failed (`budget_exceeded`) | AbortInFlight, Finish | run_failed |
+//! | * | a reply with a stale epoch or for another phase | same | — | late_result_ignored |
+//! | succeeded, failed, cancelled | a pool or timer reply | same | — | late_result_ignored |
+//!
+//! Every other (status, event) pair is `Err(InvalidTransition)`. A transition that ends the run
+//! records the terminal event type (`run_succeeded`, `run_failed`, `run_cancelled`) with the
+//! type it would otherwise have had as `data.cause`, so a log has exactly one terminal event.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+
+use super::budget::{self, Exhausted};
+use super::decision::{Decision, decide};
+use super::progress::{CallOutcome, ProgressPolicy, Verdict};
+use super::state::{CallStatus, PendingCall, Phase, RunError, RunState, Status};
+use crate::ids::CallId;
+use crate::idempotency::{call_fingerprint, idempotency_key};
+use crate::model::{Message, ModelError, ModelReply, ToolChoice};
+use crate::store::Control;
+use crate::tool::{ToolEffect, ToolError, ToolErrorCode, ToolResult};
+
+/// What happens to a run. Pool replies and timers carry the epoch they were issued with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum RunEvent {
+    Start,
+    /// The run's actor was (re)started from a checkpoint of a non-terminal run.
+    Resume,
+    ModelReplied {
+        epoch: u64,
+        reply: ModelReply,
+    },
+    ModelFailed {
+        epoch: u64,
+        error: ModelError,
+    },
+    RetryDue {
+        epoch: u64,
+    },
+    ToolFinished {
+        epoch: u64,
+        call_id: CallId,
+        result: ToolResult,
+    },
+    StatusChecked {
+        epoch: u64,
+        call_id: CallId,
+        outcome: Result<Option<ToolResult>, ToolError>,
+    },
+    VerificationDone {
+        epoch: u64,
+        verdict: Result<(), String>,
+    },
+    Cancel {
+        reason: Option<String>,
+    },
+    Approve {
+        call_id: CallId,
+        arguments: Option<Value>,
+    },
+    Reject {
+        call_id: CallId,
+        reason: Option<String>,
+    },
+    Input {
+        text: String,
+    },
+    DeadlineReached,
+    /// Ends the run as failed from outside (e.g. the supervisor's `crash_loop`).
+    Abort {
+        code: String,
+        message: String,
+    },
+}
+
+impl RunEvent {
+    pub fn name(&self) -> &'static str {
+        match self {
+            RunEvent::Start => "start",
+            RunEvent::Resume => "resume",
+            RunEvent::ModelReplied { .. } => "model_replied",
+            RunEvent::ModelFailed { .. } => "model_failed",
+            RunEvent::RetryDue { .. } => "retry_due",
+            RunEvent::ToolFinished { .. } => "tool_finished",
+            RunEvent::StatusChecked { .. } => "status_checked",
+            RunEvent::VerificationDone { .. } => "verification_done",
+            RunEvent::Cancel { .. } => "cancel",
+            RunEvent::Approve { .. } => "approve",
+            RunEvent::Reject { .. } => "reject",
+            RunEvent::Input { .. } => "input",
+            RunEvent::DeadlineReached => "deadline_reached",
+            RunEvent::Abort { .. } => "abort",
+        }
+    }
+
+    /// Replies from pools and timers (as opposed to control messages).
+    fn is_reply(&self) -> bool {
+        matches!(
+            self,
+            RunEvent::ModelReplied { .. }
+                | RunEvent::ModelFailed { .. }
+                | RunEvent::RetryDue { .. }
+                | RunEvent::ToolFinished { .. }
+                | RunEvent::StatusChecked { .. }
+                | RunEvent::VerificationDone { .. }
+                | RunEvent::DeadlineReached
+        )
+    }
+}
+
+impl From<Control> for RunEvent {
+    fn from(c: Control) -> Self {
+        match c {
+            Control::Cancel { reason } => RunEvent::Cancel { reason },
+            Control::Approve { call_id, arguments } => RunEvent::Approve { call_id, arguments },
+            Control::Reject { call_id, reason } => RunEvent::Reject { call_id, reason },
+            Control::Input { text } => RunEvent::Input { text },
+        }
+    }
+}
+
+/// Work the actor must carry out after committing the transition.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    CallModel { epoch: u64, tool_choice: ToolChoice },
+    /// Send the batch call `call_id` (its intent is in the committed state).
+    ExecuteTool { epoch: u64, call_id: CallId },
+    /// Ask the tool whether the call with this key already ran.
+    CheckStatus { epoch: u64, call_id: CallId },
+    Verify { epoch: u64, candidate: Value },
+    /// Deliver `RetryDue { epoch }` after a delay.
+    ScheduleRetry { epoch: u64, after_ms: u64 },
+    /// Cancel every request in flight for this run.
+    AbortInFlight,
+    /// The run is over: stop its actor.
+    Finish,
+}
+
+/// The outcome of one step: the event to record and the effects to carry out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    /// Event type, snake_case.
+    pub kind: &'static str,
+    /// Event data; always has `status` and `phase` after the transition.
+    pub data: Value,
+    pub effects: Vec<Effect>,
+}
+
+/// An event that does not fit the run's current state. Nothing was changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct InvalidTransition {
+    /// `invalid_state`, `unknown_call`, `invalid_argument` or `input_queue_full`.
+    pub code: &'static str,
+    pub message: String,
+    pub status: Status,
+}
+
+/// How the catalog sees a tool name for this agent.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolLookup {
+    Allowed(ToolInfo),
+    /// Registered, but not on this agent's allow-list.
+    NotAllowed,
+    Unknown,
+}
+
+/// The policy facts of one tool that the machine needs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ToolInfo {
+    pub effect: ToolEffect,
+    pub polling: bool,
+    pub reconcilable: bool,
+}
+
+/// A schema violation, with the JSON pointer of the failing value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArgumentError {
+    pub path: String,
+    pub message: String,
+}
+
+/// The tools of one agent, as the pure core sees them. Implementations must be deterministic.
+pub trait ToolCatalog {
+    fn lookup(&self, name: &str) -> ToolLookup;
+    /// Checks arguments against the tool's JSON Schema.
+    fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError>;
+    /// Whether this call needs an operator's approval (may depend on the arguments).
+    fn needs_approval(&self, name: &str, arguments: &Value) -> bool;
+}
+
+/// Bounds the machine enforces besides the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    /// Malformed replies in a row before `invalid_model_output`.
+    pub max_corrections: u32,
+    /// Retryable model failures in a row before `model_unavailable`.
+    pub max_model_retries: u32,
+    /// Verifier rejections before `verification_failed`.
+    pub max_verify_rejections: u32,
+    /// Resends of an idempotent call with an unknown outcome, or of an overloaded call.
+    pub max_tool_retries: u32,
+    pub retry_base_ms: u64,
+    pub retry_max_ms: u64,
+    /// Input messages held for a busy run.
+    pub max_queued_input: usize,
+    pub progress: ProgressPolicy,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            max_corrections: 3,
+            max_model_retries: 5,
+            max_verify_rejections: 3,
+            max_tool_retries: 3,
+            retry_base_ms: 200,
+            retry_max_ms: 10_000,
+            max_queued_input: 32,
+            progress: ProgressPolicy::default(),
+        }
+    }
+}
+
+/// Everything besides the state and the event that a step may look at.
+pub struct StepContext<'a> {
+    pub now_ms: u64,
+    pub policy: &'a Policy,
+    pub tools: &'a dyn ToolCatalog,
+}
+
+/// Capped exponential backoff with ±20 % jitter derived from `seed` (no randomness, so the
+/// step stays deterministic).
+pub fn backoff_ms(policy: &Policy, attempt: u32, seed: &str) -> u64 {
+    let exp = policy
+        .retry_base_ms
+        .saturating_mul(1u64 << attempt.saturating_sub(1).min(20));
+    let base = exp.min(policy.retry_max_ms);
+    let h = call_fingerprint(seed, &json!(attempt));
+    let frac = (h % 1000) as f64 / 1000.0; // 0..1
+    ((base as f64) * (0.8 + 0.4 * frac)) as u64
+}
+
+const NOTE: &str = "[agentd]";
+
+/// Applies `event` to `state`. See the module doc for the table.
+pub fn step(
+    state: &mut RunState,
+    event: RunEvent,
+    cx: &StepContext<'_>,
+) -> Result<Transition, InvalidTransition> {
+    let was_terminal = state.is_terminal();
+    let mut t = if was_terminal {
+        if !event.is_reply() {
+            return Err(invalid(
+                state,
+                "invalid_state",
+                format!("run is {}; it accepts no {}", state.status.as_str(), event.name()),
+            ));
+        }
+        ignored(&event, "run_terminal")
+    } else {
+        dispatch(state, event, cx)?
+    };
+    if !was_terminal && state.is_terminal() {
+        let terminal_kind = match state.status {
+            Status::Succeeded => "run_succeeded",
+            Status::Cancelled => "run_cancelled",
+            _ => "run_failed",
+        };
+        if t.kind != terminal_kind {
+            if let Value::Object(m) = &mut t.data {
+                m.insert("cause".into(), Value::String(t.kind.to_owned()));
+            }
+            t.kind = terminal_kind;
+        }
+        if let (Value::Object(m), Some(e)) = (&mut t.data, &state.error) {
+            m.insert("error".into(), json!(e));
+        }
+    }
+    if let Value::Object(m) = &mut t.data {
+        m.insert("status".into(), json!(state.status.as_str()));
+        m.insert("phase".into(), json!(state.phase.map(Phase::as_str)));
+    }
+    state.version += 1;
+    state.updated_at_ms = cx.now_ms;
+    Ok(t)
+}
+
+fn invalid(state: &RunState, code: &'static str, message: String) -> InvalidTransition {
+    InvalidTransition {
+        code,
+        message,
+        status: state.status,
+    }
+}
+
+fn ignored(event: &RunEvent, reason: &str) -> Transition {
+    let mut data = Map::new();
+    data.insert("reason".into(), json!(reason));
+    data.insert("ignored".into(), json!(event.name()));
+    match event {
+        RunEvent::ToolFinished { call_id, result, .. } => {
+            data.insert("call_id".into(), json!(call_id));
+            data.insert("ok".into(), json!(result.ok));
+        }
+        RunEvent::ModelReplied { epoch, .. }
+        | RunEvent::ModelFailed { epoch, .. }
+        | RunEvent::RetryDue { epoch }
+        | RunEvent::StatusChecked { epoch, .. }
+        | RunEvent::VerificationDone { epoch, .. } => {
+            data.insert("epoch".into(), json!(epoch));
+        }
+        _ => {}
+    }
+    Transition {
+        kind: "late_result_ignored",
+        data: Value::Object(data),
+        effects: vec![],
+    }
+}
+
+fn out(kind: &'static str, data: Value, effects: Vec<Effect>) -> Transition {
+    Transition {
+        kind,
+        data,
+        effects,
+    }
+}
+
+fn dispatch(
+    s: &mut RunState,
+    event: RunEvent,
+    cx: &StepContext<'_>,
+) -> Result<Transition, InvalidTransition> {
+    use RunEvent as E;
+    let phase = s.phase;
+    match (s.status, event) {
+        (_, E::Cancel { reason }) => {
+            s.status = Status::Cancelled;
+            s.phase = None;
+            s.epoch += 1;
+            Ok(out(
+                "run_cancelled",
+                json!({ "reason": reason }),
+                vec![Effect::AbortInFlight, Effect::Finish],
+            ))
+        }
+        (_, E::Abort { code, message }) => {
+            let effects = fail(s, RunError { code, message });
+            Ok(out("run_failed", json!({}), effects))
+        }
+        (_, E::DeadlineReached) => {
+            let effects = fail_budget(s, Exhausted::Deadline);
+            Ok(out("run_failed", json!({}), effects))
+        }
+        (Status::Created, E::Start) => Ok(next_turn(s, cx, "run_started", json!({}))),
+        (Status::Created, E::Resume) => {
+            s.restarts += 1;
+            Ok(next_turn(s, cx, "run_resumed", json!({})))
+        }
+        (Status::Created | Status::Running | Status::WaitingApproval, E::Input { text }) => {
+            if s.queued_input.len() >= cx.policy.max_queued_input {
+                return Err(invalid(
+                    s,
+                    "input_queue_full",
+                    format!("{} inputs are already queued", s.queued_input.len()),
+                ));
+            }
+            s.queued_input.push(text);
+            Ok(out("input_queued", json!({ "queued": s.queued_input.len() }), vec![]))
+        }
+        (Status::WaitingInput, E::Input { text }) => {
+            let Some((question, model_call_id)) = s.question.take() else {
+                return Err(invalid(s, "invalid_state", "no question is pending".into()));
+            };
+            s.messages.push(Message::Tool {
+                call_id: model_call_id,
+                content: ToolResult::success(json!({ "answer": text })).to_message_content(),
+            });
+            Ok(next_turn(s, cx, "input_received", json!({ "question": question })))
+        }
+        (Status::Running, E::Resume) => {
+            s.restarts += 1;
+            Ok(resume_running(s, cx))
+        }
+        (Status::WaitingApproval | Status::WaitingInput, E::Resume) => {
+            s.restarts += 1;
+            Ok(out("run_resumed", json!({}), vec![]))
+        }
+        (Status::Running, E::ModelReplied { epoch, reply })
+            if phase == Some(Phase::AwaitingModel) && epoch == s.epoch =>
+        {
+            Ok(on_model_reply(s, reply, cx))
+        }
+        (Status::Running, E::ModelFailed { epoch, error })
+            if phase == Some(Phase::AwaitingModel) && epoch == s.epoch =>
+        {
+            Ok(on_model_failed(s, error, cx))
+        }
+        (Status::Running, E::RetryDue { epoch })
+            if phase == Some(Phase::AwaitingModel) && epoch == s.epoch =>
+        {
+            s.epoch += 1;
+            let tool_choice = tool_choice(s);
+            Ok(out(
+                "model_retry",
+                json!({ "attempt": s.model_retries + 1 }),
+                vec![Effect::CallModel {
+                    epoch: s.epoch,
+                    tool_choice,
+                }],
+            ))
+        }
+        (Status::Running, E::RetryDue { epoch })
+            if phase == Some(Phase::ExecutingTools) && epoch == s.epoch =>
+        {
+            let effects = advance_batch(s, cx);
+            Ok(out("tool_retry", json!({}), effects))
+        }
+        (Status::Running, E::ToolFinished { epoch, call_id, result })
+            if phase == Some(Phase::ExecutingTools)
+                && epoch == s.epoch
+                && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Dispatched) =>
+        {
+            Ok(on_tool_finished(s, call_id, result, cx))
+        }
+        (Status::Running, E::StatusChecked { epoch, call_id, outcome })
+            if epoch == s.epoch
+                && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Reconciling) =>
+        {
+            let found = match &outcome {
+                Ok(Some(_)) => "ran",
+                Ok(None) => "never_ran",
+                Err(_) => "unknown",
+            };
+            if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+                match outcome {
+                    Ok(Some(result)) => {
+                        c.status = CallStatus::Done;
+                        c.result = Some(result);
+                    }
+                    // It never ran: sending it now (same key) is the first execution.
+                    Ok(None) => c.status = CallStatus::Ready,
+                    Err(_) => c.status = CallStatus::OutcomeUnknown,
+                }
+            }
+            let effects = advance_batch(s, cx);
+            Ok(out(
+                "call_reconciled",
+                json!({ "call_id": call_id, "found": found }),
+                effects,
+            ))
+        }
+        (Status::Running, E::VerificationDone { epoch, verdict })
+            if phase == Some(Phase::Verifying) && epoch == s.epoch =>
+        {
+            Ok(on_verified(s, verdict, cx))
+        }
+        (Status::WaitingApproval, E::Approve { call_id, arguments }) => {
+            approve(s, call_id, arguments, cx)
+        }
+        (Status::WaitingApproval, E::Reject { call_id, reason }) => reject(s, call_id, reason, cx),
+        (_, ev) if ev.is_reply() => Ok(ignored(&ev, "stale")),
+        (status, ev) => Err(invalid(
+            s,
+            "invalid_state",
+            format!("run is {}; it accepts no {}", status.as_str(), ev.name()),
+        )),
+    }
+}
+
+fn tool_choice(s: &RunState) -> ToolChoice {
+    if s.force_final {
+        ToolChoice::None
+    } else {
+        ToolChoice::Auto
+    }
+}
+
+fn fail(s: &mut RunState, error: RunError) -> Vec<Effect> {
+    s.status = Status::Failed;
+    s.phase = None;
+    s.error = Some(error);
+    s.epoch += 1;
+    vec![Effect::AbortInFlight, Effect::Finish]
+}
+
+fn fail_budget(s: &mut RunState, which: Exhausted) -> Vec<Effect> {
+    fail(
+        s,
+        RunError::new(
+            "budget_exceeded",
+            format!("the {} budget is exhausted", which.as_str()),
+        ),
+    )
+}
+
+/// Delivers queued input and starts the next model turn, or fails on the budget.
+fn next_turn(s: &mut RunState, cx: &StepContext<'_>, kind: &'static str, data: Value) -> Transition {
+    for text in s.queued_input.drain(..) {
+        s.messages.push(Message::User { content: text });
+    }
+    if let Err(which) = budget::check_model_call(&s.budget, &s.usage, cx.now_ms) {
+        let effects = fail_budget(s, which);
+        return out(kind, data, effects);
+    }
+    s.usage.turns += 1;
+    s.turn += 1;
+    s.epoch += 1;
+    s.status = Status::Running;
+    s.phase = Some(Phase::AwaitingModel);
+    let effects = vec![Effect::CallModel {
+        epoch: s.epoch,
+        tool_choice: tool_choice(s),
+    }];
+    let mut t = out(kind, data, effects);
+    if let Value::Object(m) = &mut t.data {
+        m.insert("turn".into(), json!(s.turn));
+    }
+    t
+}
+
+fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> Transition {
+    s.usage.input_tokens += reply.usage.input_tokens;
+    s.usage.output_tokens += reply.usage.output_tokens;
+    s.model_retries = 0;
+    let usage = json!({ "input_tokens": reply.usage.input_tokens, "output_tokens": reply.usage.output_tokens });
+    match decide(&reply) {
+        Decision::Final(text) => {
+            s.corrections = 0;
+            s.messages.push(Message::Assistant {
+                content: Some(text.clone()),
+                tool_calls: vec![],
+            });
+            let candidate = serde_json::from_str::<Value>(&text)
+                .ok()
+                .filter(|v| v.is_object() || v.is_array())
+                .unwrap_or(Value::String(text));
+            s.candidate = Some(candidate.clone());
+            s.phase = Some(Phase::Verifying);
+            s.epoch += 1;
+            out(
+                "model_replied",
+                json!({ "decision": "final", "usage": usage }),
+                vec![Effect::Verify {
+                    epoch: s.epoch,
+                    candidate,
+                }],
+            )
+        }
+        Decision::AskUser {
+            model_call_id,
+            question,
+        } => {
+            s.corrections = 0;
+            s.messages.push(Message::Assistant {
+                content: reply.text.clone(),
+                tool_calls: reply.tool_calls.clone(),
+            });
+            s.question = Some((question.clone(), model_call_id));
+            s.status = Status::WaitingInput;
+            s.phase = None;
+            out(
+                "input_requested",
+                json!({ "decision": "ask_user", "question": question, "usage": usage }),
+                vec![],
+            )
+        }
+        Decision::Malformed { code, message } => {
+            s.messages.push(Message::Assistant {
+                content: reply.text.clone(),
+                tool_calls: reply.tool_calls.clone(),
+            });
+            let correction = ToolResult::failure(ToolError::new(
+                ToolErrorCode::InvalidArgument,
+                message.clone(),
+            ))
+            .to_message_content();
+            // Every call the model made gets an answer, so call/result pairs stay whole.
+            for c in &reply.tool_calls {
+                s.messages.push(Message::Tool {
+                    call_id: c.id.clone(),
+                    content: correction.clone(),
+                });
+            }
+            if reply.tool_calls.is_empty() {
+                s.messages.push(Message::User {
+                    content: format!("{NOTE} correction ({code}): {message}"),
+                });
+            }
+            correct_or_fail(
+                s,
+                cx,
+                json!({ "decision": "malformed", "code": code, "message": message, "usage": usage }),
+            )
+        }
+        Decision::ToolCalls(calls) => {
+            if s.force_final {
+                let effects = fail(
+                    s,
+                    RunError::new(
+                        "no_progress",
+                        "the model kept calling tools after it was told to give its final answer",
+                    ),
+                );
+                return out("model_replied", json!({ "decision": "tool_calls" }), effects);
+            }
+            s.messages.push(Message::Assistant {
+                content: reply.text.clone(),
+                tool_calls: calls.clone(),
+            });
+            s.phase = Some(Phase::ValidatingCalls);
+            let batch: Vec<PendingCall> = calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| validate_call(s, i, c, cx))
+                .collect();
+            let invalid = batch.iter().filter(|c| c.status == CallStatus::Done).count();
+            let valid = (batch.len() - invalid) as u32;
+            let summary: Vec<Value> = batch.iter().map(call_summary).collect();
+            s.calls = batch;
+            let data = json!({ "decision": "tool_calls", "calls": summary, "usage": usage });
+            if invalid > 0 {
+                s.corrections += 1;
+                if s.corrections > cx.policy.max_corrections {
+                    let effects = fail(s, too_many_corrections(s.corrections));
+                    return out("model_replied", data, effects);
+                }
+            } else {
+                s.corrections = 0;
+            }
+            if let Err(which) = budget::check_tool_calls(&s.budget, &s.usage, valid, cx.now_ms) {
+                let effects = fail_budget(s, which);
+                return out("model_replied", data, effects);
+            }
+            let effects = advance_batch(s, cx);
+            let mut t = out("model_replied", data, effects);
+            add_dispatched(s, &mut t);
+            t
+        }
+    }
+}
+
+fn too_many_corrections(n: u32) -> RunError {
+    RunError::new(
+        "invalid_model_output",
+        format!("the model produced {n} unusable replies in a row"),
+    )
+}
+
+fn correct_or_fail(s: &mut RunState, cx: &StepContext<'_>, data: Value) -> Transition {
+    s.corrections += 1;
+    if s.corrections > cx.policy.max_corrections {
+        let effects = fail(s, too_many_corrections(s.corrections));
+        return out("model_replied", data, effects);
+    }
+    next_turn(s, cx, "model_replied", data)
+}
+
+fn call_summary(c: &PendingCall) -> Value {
+    let mut v = json!({
+        "call_id": c.call_id,
+        "tool": c.tool,
+        "arguments": c.arguments,
+        "status": c.status,
+        "effect": c.effect,
+    });
+    if let (Value::Object(m), Some(r)) = (&mut v, &c.result)
+        && let Some(e) = &r.error
+    {
+        m.insert("error".into(), json!(e));
+    }
+    v
+}
+
+/// Lists the intents dispatched by this transition (write-ahead: they are in the same commit).
+fn add_dispatched(s: &RunState, t: &mut Transition) {
+    let dispatched: Vec<Value> = t
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::ExecuteTool { call_id, .. } => s.call(call_id),
+            _ => None,
+        })
+        .map(|c| json!({ "call_id": c.call_id, "tool": c.tool, "key": c.key, "attempt": c.attempts }))
+        .collect();
+    if !dispatched.is_empty()
+        && let Value::Object(m) = &mut t.data
+    {
+        m.insert("dispatched".into(), Value::Array(dispatched));
+    }
+}
+
+fn validate_call(
+    s: &RunState,
+    index: usize,
+    c: &crate::model::ModelToolCall,
+    cx: &StepContext<'_>,
+) -> PendingCall {
+    let call_id = CallId::new(s.turn, index);
+    let parsed = serde_json::from_str::<Value>(&c.arguments);
+    let arguments = match &parsed {
+        Ok(v) => v.clone(),
+        Err(_) => Value::String(c.arguments.clone()),
+    };
+    let mut info = ToolInfo {
+        effect: ToolEffect::Read,
+        polling: false,
+        reconcilable: false,
+    };
+    let error = match (cx.tools.lookup(&c.name), &parsed) {
+        (ToolLookup::Unknown, _) => Some(ToolError::new(
+            ToolErrorCode::ToolNotAllowed,
+            format!("unknown tool `{}`", c.name),
+        )),
+        (ToolLookup::NotAllowed, _) => Some(ToolError::new(
+            ToolErrorCode::ToolNotAllowed,
+            format!("tool `{}` is not allowed for this agent", c.name),
+        )),
+        (ToolLookup::Allowed(_), Err(e)) => Some(ToolError::new(
+            ToolErrorCode::InvalidArgument,
+            format!("arguments are not valid JSON: {e}"),
+        )),
+        (ToolLookup::Allowed(_), Ok(v)) if !v.is_object() => Some(ToolError::new(
+            ToolErrorCode::InvalidArgument,
+            "arguments must be a JSON object",
+        )),
+        (ToolLookup::Allowed(i), Ok(v)) => {
+            info = i;
+            cx.tools.validate(&c.name, v).err().map(|e| {
+                ToolError::new(
+                    ToolErrorCode::InvalidArgument,
+                    format!("at `{}`: {}", if e.path.is_empty() { "/" } else { &e.path }, e.message),
+                )
+            })
+        }
+    };
+    let (status, result) = match error {
+        Some(e) => (CallStatus::Done, Some(ToolResult::failure(e))),
+        None if cx.tools.needs_approval(&c.name, &arguments) => {
+            (CallStatus::AwaitingApproval, None)
+        }
+        None => (CallStatus::Ready, None),
+    };
+    PendingCall {
+        key: idempotency_key(&s.id, s.turn, index, &c.name, &arguments),
+        fingerprint: call_fingerprint(&c.name, &arguments),
+        call_id,
+        model_call_id: c.id.clone(),
+        tool: c.name.clone(),
+        arguments,
+        effect: info.effect,
+        polling: info.polling,
+        reconcilable: info.reconcilable,
+        status,
+        attempts: 0,
+        result,
+    }
+}
+
+/// Moves the current batch forward; see "advance batch" in the module doc.
+fn advance_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
+    if s.pending_approvals().next().is_some() {
+        s.status = Status::WaitingApproval;
+        s.phase = None;
+        return vec![];
+    }
+    let ready: Vec<usize> = (0..s.calls.len())
+        .filter(|&i| s.calls[i].status == CallStatus::Ready)
+        .collect();
+    if !ready.is_empty() {
+        let first_time = ready.iter().filter(|&&i| s.calls[i].attempts == 0).count() as u32;
+        if let Err(which) = budget::check_tool_calls(&s.budget, &s.usage, first_time, cx.now_ms) {
+            return fail_budget(s, which);
+        }
+        s.usage.tool_calls += first_time;
+        s.status = Status::Running;
+        s.phase = Some(Phase::ExecutingTools);
+        let epoch = s.epoch;
+        return ready
+            .into_iter()
+            .map(|i| {
+                let c = &mut s.calls[i];
+                c.status = CallStatus::Dispatched;
+                c.attempts += 1;
+                Effect::ExecuteTool {
+                    epoch,
+                    call_id: c.call_id.clone(),
+                }
+            })
+            .collect();
+    }
+    s.status = Status::Running;
+    if s.calls.iter().any(|c| c.status == CallStatus::Dispatched) {
+        s.phase = Some(Phase::ExecutingTools);
+        return vec![];
+    }
+    if s.calls.iter().any(|c| c.status == CallStatus::Reconciling) {
+        s.phase = Some(Phase::Reconciling);
+        return vec![];
+    }
+    finish_batch(s, cx)
+}
+
+/// All calls are done: answer each in order, judge progress, take the next turn.
+fn finish_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
+    let calls = std::mem::take(&mut s.calls);
+    let mut outcomes = Vec::with_capacity(calls.len());
+    for c in calls {
+        let result = c.result.unwrap_or_else(|| {
+            ToolResult::failure(ToolError::new(ToolErrorCode::Failed, "no result"))
+        });
+        if result.ok && !s.succeeded_tools.contains(&c.tool) {
+            s.succeeded_tools.push(c.tool.clone());
+        }
+        outcomes.push(CallOutcome {
+            fingerprint: c.fingerprint,
+            polling: c.polling,
+            ok: result.ok,
+        });
+        s.messages.push(Message::Tool {
+            call_id: c.model_call_id,
+            content: result.to_message_content(),
+        });
+    }
+    match s.progress.record_turn(&outcomes, &cx.policy.progress) {
+        Verdict::Continue => {}
+        Verdict::Nudge(reason) => s.messages.push(Message::User {
+            content: format!(
+                "{NOTE} no progress: {reason}. Change your approach, or give your final answer."
+            ),
+        }),
+        Verdict::ForceFinal(reason) => {
+            s.force_final = true;
+            s.messages.push(Message::User {
+                content: format!(
+                    "{NOTE} no progress: {reason}. Tools are now disabled: give your final answer."
+                ),
+            });
+        }
+        Verdict::Fail(reason) => {
+            return fail(
+                s,
+                RunError::new("no_progress", format!("the run made no progress: {reason}")),
+            );
+        }
+    }
+    next_turn(s, cx, "", Value::Null).effects
+}
+
+fn on_model_failed(s: &mut RunState, error: ModelError, cx: &StepContext<'_>) -> Transition {
+    let data = json!({ "kind": error.kind, "message": error.message });
+    if !error.kind.is_retryable() {
+        let effects = fail(
+            s,
+            RunError::new("model_rejected", format!("the model refused the request: {}", error.message)),
+        );
+        return out("model_failed", data, effects);
+    }
+    s.model_retries += 1;
+    if s.model_retries > cx.policy.max_model_retries {
+        let effects = fail(
+            s,
+            RunError::new(
+                "model_unavailable",
+                format!("the model failed {} times in a row: {}", s.model_retries, error.message),
+            ),
+        );
+        return out("model_failed", data, effects);
+    }
+    let after_ms = backoff_ms(cx.policy, s.model_retries, s.id.as_str());
+    let mut t = out(
+        "model_failed",
+        data,
+        vec![Effect::ScheduleRetry {
+            epoch: s.epoch,
+            after_ms,
+        }],
+    );
+    if let Value::Object(m) = &mut t.data {
+        m.insert("retry_in_ms".into(), json!(after_ms));
+        m.insert("attempt".into(), json!(s.model_retries));
+    }
+    t
+}
+
+fn on_tool_finished(
+    s: &mut RunState,
+    call_id: CallId,
+    result: ToolResult,
+    cx: &StepContext<'_>,
+) -> Transition {
+    let mut data = json!({ "call_id": call_id, "ok": result.ok, "truncated": result.truncated });
+    let max_retries = cx.policy.max_tool_retries;
+    let mut effects = Vec::new();
+    let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) else {
+        return ignored(&RunEvent::Start, "unknown_call");
+    };
+    if let Value::Object(m) = &mut data {
+        m.insert("tool".into(), json!(c.tool));
+        if let Some(e) = &result.error {
+            m.insert("error".into(), json!(e));
+        }
+    }
+    let code = result.error_code();
+    let retries_left = c.attempts <= max_retries;
+    match code {
+        Some(ToolErrorCode::Overloaded) if retries_left => {
+            // Not started: send again later with the same key.
+            c.status = CallStatus::Ready;
+            let after_ms = backoff_ms(cx.policy, c.attempts, c.key.as_str());
+            effects.push(Effect::ScheduleRetry {
+                epoch: s.epoch,
+                after_ms,
+            });
+            s.phase = Some(Phase::ExecutingTools);
+            return out("tool_call_finished", data, effects);
+        }
+        Some(ToolErrorCode::OutcomeUnknown | ToolErrorCode::Timeout)
+            if c.effect != ToolEffect::Read =>
+        {
+            match (c.effect, c.reconcilable) {
+                (ToolEffect::Idempotent, _) if retries_left => c.status = CallStatus::Ready,
+                (ToolEffect::Idempotent, _) => {
+                    c.status = CallStatus::Done;
+                    c.result = Some(result);
+                }
+                (_, true) => {
+                    c.status = CallStatus::Reconciling;
+                    effects.push(Effect::CheckStatus {
+                        epoch: s.epoch,
+                        call_id: c.call_id.clone(),
+                    });
+                }
+                _ => c.status = CallStatus::OutcomeUnknown,
+            }
+        }
+        _ => {
+            c.status = CallStatus::Done;
+            c.result = Some(result);
+        }
+    }
+    effects.extend(advance_batch(s, cx));
+    let mut t = out("tool_call_finished", data, effects);
+    add_dispatched(s, &mut t);
+    t
+}
+
+fn on_verified(s: &mut RunState, verdict: Result<(), String>, cx: &StepContext<'_>) -> Transition {
+    match verdict {
+        Ok(()) => {
+            s.status = Status::Succeeded;
+            s.phase = None;
+            s.output = s.candidate.take();
+            out("run_succeeded", json!({ "output": s.output }), vec![Effect::Finish])
+        }
+        Err(reason) => {
+            s.candidate = None;
+            s.verify_rejections += 1;
+            let data = json!({ "reason": reason, "rejections": s.verify_rejections });
+            if s.verify_rejections > cx.policy.max_verify_rejections {
+                let effects = fail(
+                    s,
+                    RunError::new(
+                        "verification_failed",
+                        format!("the final answer was rejected {} times; last: {reason}", s.verify_rejections),
+                    ),
+                );
+                return out("verification_rejected", data, effects);
+            }
+            s.messages.push(Message::User {
+                content: format!("{NOTE} your final answer was rejected: {reason}. Fix it and answer again."),
+            });
+            next_turn(s, cx, "verification_rejected", data)
+        }
+    }
+}
+
+fn approve(
+    s: &mut RunState,
+    call_id: CallId,
+    arguments: Option<Value>,
+    cx: &StepContext<'_>,
+) -> Result<Transition, InvalidTransition> {
+    let Some(c) = s.call(&call_id) else {
+        return Err(invalid(s, "unknown_call", format!("no call {call_id} in this run")));
+    };
+    if !matches!(c.status, CallStatus::AwaitingApproval | CallStatus::OutcomeUnknown) {
+        return Err(invalid(s, "invalid_state", format!("call {call_id} is not awaiting approval")));
+    }
+    if let Some(args) = &arguments {
+        if !args.is_object() {
+            return Err(invalid(s, "invalid_argument", "arguments must be a JSON object".into()));
+        }
+        if let Err(e) = cx.tools.validate(&c.tool, args) {
+            return Err(invalid(
+                s,
+                "invalid_argument",
+                format!("at `{}`: {}", if e.path.is_empty() { "/" } else { &e.path }, e.message),
+            ));
+        }
+    }
+    let (run, turn) = (s.id.clone(), s.turn);
+    let index = s.calls.iter().position(|c| c.call_id == call_id).unwrap_or(0);
+    let edited = arguments.is_some();
+    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+        if let Some(args) = arguments {
+            c.key = idempotency_key(&run, turn, index, &c.tool, &args);
+            c.fingerprint = call_fingerprint(&c.tool, &args);
+            c.arguments = args;
+        }
+        c.status = CallStatus::Ready;
+    }
+    let effects = advance_batch(s, cx);
+    let mut t = out("call_approved", json!({ "call_id": call_id, "edited": edited }), effects);
+    add_dispatched(s, &mut t);
+    Ok(t)
+}
+
+fn reject(
+    s: &mut RunState,
+    call_id: CallId,
+    reason: Option<String>,
+    cx: &StepContext<'_>,
+) -> Result<Transition, InvalidTransition> {
+    let Some(c) = s.call(&call_id) else {
+        return Err(invalid(s, "unknown_call", format!("no call {call_id} in this run")));
+    };
+    let error = match c.status {
+        CallStatus::AwaitingApproval => ToolError::new(
+            ToolErrorCode::ApprovalDenied,
+            reason.clone().unwrap_or_else(|| "an operator rejected this call".into()),
+        ),
+        CallStatus::OutcomeUnknown => ToolError::new(
+            ToolErrorCode::OutcomeUnknown,
+            "the call may or may not have run; an operator chose not to send it again",
+        ),
+        _ => {
+            return Err(invalid(s, "invalid_state", format!("call {call_id} is not awaiting approval")));
+        }
+    };
+    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+        c.status = CallStatus::Done;
+        c.result = Some(ToolResult::failure(error));
+    }
+    let effects = advance_batch(s, cx);
+    let mut t = out("call_rejected", json!({ "call_id": call_id, "reason": reason }), effects);
+    add_dispatched(s, &mut t);
+    Ok(t)
+}
+
+/// Re-issues the work a crashed incarnation had in flight, by each call's declared policy.
+fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
+    s.epoch += 1;
+    match s.phase {
+        Some(Phase::Verifying) => {
+            if let Some(candidate) = s.candidate.clone() {
+                return out(
+                    "run_resumed",
+                    json!({}),
+                    vec![Effect::Verify {
+                        epoch: s.epoch,
+                        candidate,
+                    }],
+                );
+            }
+            // A verifying run always has a candidate; without one, ask the model again.
+            s.phase = Some(Phase::AwaitingModel);
+            let tool_choice = tool_choice(s);
+            out("run_resumed", json!({}), vec![Effect::CallModel { epoch: s.epoch, tool_choice }])
+        }
+        Some(Phase::ExecutingTools | Phase::Reconciling) => {
+            let mut effects = Vec::new();
+            let mut unknown = Vec::new();
+            for c in s.calls.iter_mut() {
+                match c.status {
+                    CallStatus::Dispatched => match (c.effect, c.reconcilable) {
+                        (ToolEffect::Read | ToolEffect::Idempotent, _) => {
+                            c.status = CallStatus::Ready;
+                        }
+                        (ToolEffect::Unsafe, true) => {
+                            c.status = CallStatus::Reconciling;
+                        }
+                        (ToolEffect::Unsafe, false) => {
+                            c.status = CallStatus::OutcomeUnknown;
+                            unknown.push(c.call_id.clone());
+                        }
+                    },
+                    _ => {}
+                }
+                if c.status == CallStatus::Reconciling {
+                    effects.push(Effect::CheckStatus {
+                        epoch: s.epoch,
+                        call_id: c.call_id.clone(),
+                    });
+                }
+            }
+            // Resends are not new tool calls: don't charge the budget twice.
+            effects.extend(advance_batch(s, cx));
+            let mut t = out("run_resumed", json!({ "outcome_unknown": unknown }), effects);
+            add_dispatched(s, &mut t);
+            t
+        }
+        _ => {
+            s.phase = Some(Phase::AwaitingModel);
+            let tool_choice = tool_choice(s);
+            out("run_resumed", json!({}), vec![Effect::CallModel { epoch: s.epoch, tool_choice }])
+        }
+    }
+}
+

@@ -1,0 +1,195 @@
+//! No-progress detection: repeated call fingerprints, failure streaks, and turns without any
+//! state change, answered with a graduated response (nudge, then a forced final turn without
+//! tools, then `no_progress`). Pure.
+
+use serde::{Deserialize, Serialize};
+
+/// Thresholds; a value of 0 turns that signal off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgressPolicy {
+    /// The same (tool, canonical arguments) this many times is a signal.
+    pub repeat_limit: u32,
+    /// This many failed tool calls in a row is a signal.
+    pub failure_limit: u32,
+    /// This many turns in a row without a new successful call is a signal.
+    pub stale_turn_limit: u32,
+}
+
+impl Default for ProgressPolicy {
+    fn default() -> Self {
+        ProgressPolicy {
+            repeat_limit: 3,
+            failure_limit: 4,
+            stale_turn_limit: 4,
+        }
+    }
+}
+
+/// How far escalation has gone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Escalation {
+    #[default]
+    None,
+    Nudged,
+    ForcedFinal,
+}
+
+/// What the run should do after a tool batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Continue,
+    /// Tell the model it is repeating itself (the reason is the nudge text).
+    Nudge(String),
+    /// Next turn: no tools, the model must answer.
+    ForceFinal(String),
+    /// Fail the run with `no_progress`.
+    Fail(String),
+}
+
+/// One finished call as progress tracking sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct CallOutcome {
+    pub fingerprint: u64,
+    pub polling: bool,
+    pub ok: bool,
+}
+
+/// Tracker state, kept in the run's checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Progress {
+    /// (fingerprint, times seen), in first-seen order.
+    pub seen: Vec<(u64, u32)>,
+    pub failure_streak: u32,
+    pub stale_turns: u32,
+    pub escalation: Escalation,
+}
+
+impl Progress {
+    /// Records one turn's finished calls and decides the response.
+    pub fn record_turn(&mut self, calls: &[CallOutcome], policy: &ProgressPolicy) -> Verdict {
+        let mut signal: Option<String> = None;
+        let mut changed = false;
+        for call in calls {
+            if call.polling {
+                // Polling tools repeat by design; a success still counts as a change.
+                changed |= call.ok;
+                continue;
+            }
+            let count = match self.seen.iter_mut().find(|(f, _)| *f == call.fingerprint) {
+                Some((_, n)) => {
+                    *n += 1;
+                    *n
+                }
+                None => {
+                    self.seen.push((call.fingerprint, 1));
+                    changed |= call.ok;
+                    1
+                }
+            };
+            if policy.repeat_limit > 0 && count >= policy.repeat_limit {
+                signal.get_or_insert(format!("the same call was made {count} times"));
+            }
+            if call.ok {
+                self.failure_streak = 0;
+            } else {
+                self.failure_streak += 1;
+            }
+        }
+        if policy.failure_limit > 0 && self.failure_streak >= policy.failure_limit {
+            signal.get_or_insert(format!("{} tool calls failed in a row", self.failure_streak));
+        }
+        self.stale_turns = if changed { 0 } else { self.stale_turns + 1 };
+        if policy.stale_turn_limit > 0 && self.stale_turns >= policy.stale_turn_limit {
+            signal.get_or_insert(format!("{} turns without progress", self.stale_turns));
+        }
+        let Some(reason) = signal else {
+            return Verdict::Continue;
+        };
+        // Streaks restart after each escalation; fingerprint counts do not, so repeating the
+        // same call again escalates at once.
+        self.failure_streak = 0;
+        self.stale_turns = 0;
+        match self.escalation {
+            Escalation::None => {
+                self.escalation = Escalation::Nudged;
+                Verdict::Nudge(reason)
+            }
+            Escalation::Nudged => {
+                self.escalation = Escalation::ForcedFinal;
+                Verdict::ForceFinal(reason)
+            }
+            Escalation::ForcedFinal => Verdict::Fail(reason),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(fingerprint: u64, ok: bool) -> CallOutcome {
+        CallOutcome {
+            fingerprint,
+            polling: false,
+            ok,
+        }
+    }
+
+    #[test]
+    fn repeats_escalate_nudge_force_fail() {
+        let p = ProgressPolicy::default();
+        let mut t = Progress::default();
+        assert_eq!(t.record_turn(&[call(1, true)], &p), Verdict::Continue);
+        assert_eq!(t.record_turn(&[call(1, true)], &p), Verdict::Continue);
+        assert!(matches!(t.record_turn(&[call(1, true)], &p), Verdict::Nudge(_)));
+        assert!(matches!(t.record_turn(&[call(1, true)], &p), Verdict::ForceFinal(_)));
+        assert!(matches!(t.record_turn(&[call(1, true)], &p), Verdict::Fail(_)));
+    }
+
+    #[test]
+    fn new_successful_calls_are_progress() {
+        let p = ProgressPolicy::default();
+        let mut t = Progress::default();
+        for f in 0..20 {
+            assert_eq!(t.record_turn(&[call(f, true)], &p), Verdict::Continue);
+        }
+    }
+
+    #[test]
+    fn failure_streak_signals() {
+        let p = ProgressPolicy::default();
+        let mut t = Progress::default();
+        for f in 0..3 {
+            assert_eq!(t.record_turn(&[call(f, false)], &p), Verdict::Continue);
+        }
+        assert!(matches!(t.record_turn(&[call(9, false)], &p), Verdict::Nudge(r) if r.contains("failed")));
+    }
+
+    #[test]
+    fn polling_tools_are_exempt_from_repeats() {
+        let p = ProgressPolicy::default();
+        let mut t = Progress::default();
+        let poll = CallOutcome {
+            fingerprint: 7,
+            polling: true,
+            ok: true,
+        };
+        for _ in 0..10 {
+            assert_eq!(t.record_turn(&[poll], &p), Verdict::Continue);
+        }
+    }
+
+    #[test]
+    fn zero_disables_a_signal() {
+        let p = ProgressPolicy {
+            repeat_limit: 0,
+            failure_limit: 0,
+            stale_turn_limit: 0,
+        };
+        let mut t = Progress::default();
+        for _ in 0..10 {
+            assert_eq!(t.record_turn(&[call(1, false)], &p), Verdict::Continue);
+        }
+    }
+}

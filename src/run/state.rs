@@ -1,0 +1,267 @@
+//! The data of one run: public status, phase inside `running`, the current batch of tool calls,
+//! budgets, progress tracking and the conversation. This whole struct is the checkpoint.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::budget::{Budget, Usage};
+use super::progress::Progress;
+use crate::ids::{CallId, RunId};
+use crate::model::Message;
+use crate::tool::{ToolEffect, ToolResult};
+
+/// Public status of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Created,
+    Running,
+    WaitingApproval,
+    WaitingInput,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub const ALL: [Status; 7] = [
+        Status::Created,
+        Status::Running,
+        Status::WaitingApproval,
+        Status::WaitingInput,
+        Status::Succeeded,
+        Status::Failed,
+        Status::Cancelled,
+    ];
+
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Created => "created",
+            Status::Running => "running",
+            Status::WaitingApproval => "waiting_approval",
+            Status::WaitingInput => "waiting_input",
+            Status::Succeeded => "succeeded",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl std::str::FromStr for Status {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        Status::ALL.into_iter().find(|st| st.as_str() == s).ok_or(())
+    }
+}
+
+/// Where a `running` run is inside its step.
+///
+/// `building_context` and `validating_calls` are passed through within one transition (they
+/// have no outside input to wait for); the others wait for a pool reply or a timer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    BuildingContext,
+    AwaitingModel,
+    ValidatingCalls,
+    ExecutingTools,
+    Reconciling,
+    Verifying,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::BuildingContext => "building_context",
+            Phase::AwaitingModel => "awaiting_model",
+            Phase::ValidatingCalls => "validating_calls",
+            Phase::ExecutingTools => "executing_tools",
+            Phase::Reconciling => "reconciling",
+            Phase::Verifying => "verifying",
+        }
+    }
+}
+
+/// Where one tool call of the current batch stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallStatus {
+    /// Waiting for an operator's approve or reject.
+    AwaitingApproval,
+    /// Cleared to run, not yet sent.
+    Ready,
+    /// Sent to the tool pool; its intent (key, arguments) is in the committed checkpoint.
+    Dispatched,
+    /// Asking the tool whether a call with this key already ran.
+    Reconciling,
+    /// A crash left its outcome unknown and the tool cannot be asked: an operator decides.
+    OutcomeUnknown,
+    /// Has its result.
+    Done,
+}
+
+/// One tool call of the current batch: its intent and, once known, its result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingCall {
+    pub call_id: CallId,
+    /// The model's id for the call, echoed back on the tool message.
+    pub model_call_id: String,
+    pub tool: String,
+    pub arguments: Value,
+    /// Server-derived idempotency key (see `idempotency::idempotency_key`).
+    pub key: String,
+    pub effect: ToolEffect,
+    pub polling: bool,
+    pub reconcilable: bool,
+    pub status: CallStatus,
+    /// Times sent to the tool.
+    pub attempts: u32,
+    pub fingerprint: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<ToolResult>,
+}
+
+/// Why a run failed: a stable snake_case code and one sentence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunError {
+    pub code: String,
+    pub message: String,
+}
+
+impl RunError {
+    pub fn new(code: &str, message: impl Into<String>) -> Self {
+        RunError {
+            code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The whole state of one run. Serialized as the checkpoint body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    pub id: RunId,
+    pub tenant: String,
+    pub agent: String,
+    /// The goal as given.
+    pub input: Value,
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub metadata: Value,
+    pub status: Status,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    pub budget: Budget,
+    pub usage: Usage,
+    /// The conversation so far (instructions are added by the context builder, not stored).
+    pub messages: Vec<Message>,
+    /// The current batch of tool calls (empty outside a batch).
+    #[serde(default)]
+    pub calls: Vec<PendingCall>,
+    /// Increases with every request sent to a pool or timer; replies carry it, and one with an
+    /// older epoch is stale and changes nothing.
+    pub epoch: u64,
+    /// Model turns started (the `turn` of the API).
+    pub turn: u32,
+    /// Malformed replies in a row.
+    pub corrections: u32,
+    /// Retryable model failures in a row.
+    pub model_retries: u32,
+    /// Verifier rejections so far.
+    pub verify_rejections: u32,
+    /// The next model call is made without tools (no-progress escalation).
+    #[serde(default)]
+    pub force_final: bool,
+    pub progress: Progress,
+    /// The candidate final answer being verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<RunError>,
+    /// The model's question while `waiting_input`, with the model's id for the ask call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub question: Option<(String, String)>,
+    /// Input given while the run was busy, delivered at its next model turn.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queued_input: Vec<String>,
+    /// Names of tools that succeeded in this run (for `tool_succeeded` verifiers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub succeeded_tools: Vec<String>,
+    /// Highest control-inbox seq already applied.
+    #[serde(default)]
+    pub controls_applied: u64,
+    /// Times this run was restarted after a crash.
+    #[serde(default)]
+    pub restarts: u32,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// Equals the seq of the last event: one per transition.
+    pub version: u64,
+}
+
+impl RunState {
+    /// A new run in `created`, at version 1 (its `run_created` event).
+    pub fn new(
+        id: RunId,
+        tenant: String,
+        agent: String,
+        input: Value,
+        budget: Budget,
+        now_ms: u64,
+    ) -> Self {
+        RunState {
+            id,
+            tenant,
+            agent,
+            input,
+            metadata: Value::Null,
+            status: Status::Created,
+            phase: None,
+            budget,
+            usage: Usage::default(),
+            messages: Vec::new(),
+            calls: Vec::new(),
+            epoch: 0,
+            turn: 0,
+            corrections: 0,
+            model_retries: 0,
+            verify_rejections: 0,
+            force_final: false,
+            progress: Progress::default(),
+            candidate: None,
+            output: None,
+            error: None,
+            question: None,
+            queued_input: Vec::new(),
+            succeeded_tools: Vec::new(),
+            controls_applied: 0,
+            restarts: 0,
+            created_at_ms: now_ms,
+            updated_at_ms: now_ms,
+            version: 1,
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        self.status.is_terminal()
+    }
+
+    pub fn call(&self, call_id: &CallId) -> Option<&PendingCall> {
+        self.calls.iter().find(|c| &c.call_id == call_id)
+    }
+
+    /// Calls waiting for an operator (approval, or an unknown outcome).
+    pub fn pending_approvals(&self) -> impl Iterator<Item = &PendingCall> {
+        self.calls.iter().filter(|c| {
+            matches!(
+                c.status,
+                CallStatus::AwaitingApproval | CallStatus::OutcomeUnknown
+            )
+        })
+    }
+}

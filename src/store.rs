@@ -1,0 +1,211 @@
+//! The persistence boundary: `CheckpointStore` (run checkpoints, leases, control inbox, indexes)
+//! and `EventLog` (each run's append-only, gap-free event sequence), their stored record types,
+//! and `store::Error`.
+//!
+//! Architecture invariant: a state change and the event that records it are committed together
+//! by `CheckpointStore::commit`, as one compare-and-set on the run's version, fenced by the
+//! writer's lease. No other write path exists for a live run.
+
+pub mod memory;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::{CallId, RunId};
+
+/// One entry of a run's event log. `seq` starts at 1 and has no gaps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventRecord {
+    pub seq: u64,
+    /// Milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    /// snake_case event type, e.g. `run_created`, `tool_call_started`, `run_succeeded`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub data: Value,
+}
+
+/// The stored form of a run: indexed fields the store needs, plus the opaque serialized
+/// `RunState` in `body`. `version` equals the seq of the last event committed with it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub run_id: RunId,
+    pub tenant: String,
+    pub agent: String,
+    /// The public status (`created`, `running`, …), for listing and the active index.
+    pub status: String,
+    pub terminal: bool,
+    pub version: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// JSON of `run::RunState`.
+    pub body: String,
+}
+
+/// Proof of ownership of one run. `token` grows each time the run changes owner, so a writer
+/// holding an older token is fenced out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub run_id: RunId,
+    pub owner: String,
+    pub token: u64,
+}
+
+/// A control message from a client, stored before it is delivered so a crash cannot lose it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Control {
+    Cancel {
+        #[serde(default)]
+        reason: Option<String>,
+    },
+    Approve {
+        call_id: CallId,
+        /// Edited arguments; validated again before use.
+        #[serde(default)]
+        arguments: Option<Value>,
+    },
+    Reject {
+        call_id: CallId,
+        #[serde(default)]
+        reason: Option<String>,
+    },
+    Input {
+        text: String,
+    },
+}
+
+/// A stored control message with its position in the run's inbox (from 1, gap-free).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlRecord {
+    pub seq: u64,
+    pub at_ms: u64,
+    pub control: Control,
+}
+
+/// Result of creating a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateOutcome {
+    Created,
+    /// The tenant already created a run with this client idempotency key.
+    Existing(RunId),
+}
+
+/// Filters for listing a tenant's runs.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    pub status: Option<String>,
+    pub agent: Option<String>,
+}
+
+/// One page of runs, newest first; `next_cursor` continues after the last item.
+#[derive(Debug, Clone, Default)]
+pub struct RunPage {
+    pub items: Vec<Checkpoint>,
+    pub next_cursor: Option<String>,
+}
+
+/// Store failures. Every variant says what happened to the write: conflicts and fencing mean
+/// it was not applied; `Unavailable` means it may or may not have been.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("run {0} not found")]
+    NotFound(RunId),
+    #[error("run {run}: version conflict (expected {expected}, found {found})")]
+    VersionConflict {
+        run: RunId,
+        expected: u64,
+        found: u64,
+    },
+    #[error("run {run}: lease token {token} is no longer current")]
+    Fenced { run: RunId, token: u64 },
+    #[error("run {run}: leased by {owner}")]
+    LeaseHeld { run: RunId, owner: String },
+    #[error("run {run}: event seq {seq} does not follow the log")]
+    SequenceGap { run: RunId, seq: u64 },
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("store data is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl Error {
+    /// Whether retrying the same operation later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unavailable(_))
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Run checkpoints, leases, control inbox and indexes.
+#[async_trait]
+pub trait CheckpointStore: Send + Sync + 'static {
+    /// Stores a new run with its first events. With `client_key`, a second create by the same
+    /// tenant with the same key returns `Existing` and writes nothing.
+    async fn create(
+        &self,
+        checkpoint: &Checkpoint,
+        events: &[EventRecord],
+        client_key: Option<&str>,
+    ) -> Result<CreateOutcome>;
+
+    async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>>;
+
+    /// Atomically: checks the stored version is `expected_version` and `lease` is current,
+    /// replaces the checkpoint, appends `events` (which must continue the log's seq), and keeps
+    /// the active index (a terminal checkpoint leaves it).
+    async fn commit(
+        &self,
+        lease: &Lease,
+        checkpoint: &Checkpoint,
+        expected_version: u64,
+        events: &[EventRecord],
+    ) -> Result<()>;
+
+    /// Takes (or renews, for the same owner) the run's lease for `ttl`. A new owner gets a
+    /// larger token; a live lease of another owner gives `LeaseHeld`.
+    async fn claim(&self, run: &RunId, owner: &str, ttl: Duration) -> Result<Lease>;
+
+    /// Gives the lease up if still held; a no-op otherwise.
+    async fn release(&self, lease: &Lease) -> Result<()>;
+
+    /// Runs not yet terminal, for recovery at start.
+    async fn active_runs(&self) -> Result<Vec<RunId>>;
+
+    /// The tenant's runs, newest first.
+    async fn list_runs(
+        &self,
+        tenant: &str,
+        filter: &RunFilter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<RunPage>;
+
+    /// Appends a control message to the run's inbox; returns its seq.
+    async fn push_control(&self, run: &RunId, control: &Control) -> Result<u64>;
+
+    /// Inbox entries with seq > `after`, in order.
+    async fn controls(&self, run: &RunId, after: u64) -> Result<Vec<ControlRecord>>;
+
+    /// Cheap reachability check for `/readyz`.
+    async fn ping(&self) -> Result<()>;
+}
+
+/// Each run's event log (appended only through `CheckpointStore::commit`/`create`).
+#[async_trait]
+pub trait EventLog: Send + Sync + 'static {
+    /// Events with seq > `after`, in order, at most `limit`.
+    async fn read(&self, run: &RunId, after: u64, limit: usize) -> Result<Vec<EventRecord>>;
+}
+
+/// A backend that is both.
+pub trait Store: CheckpointStore + EventLog {}
+impl<T: CheckpointStore + EventLog> Store for T {}
+
+/// The store as the runtime holds it.
+pub type SharedStore = Arc<dyn Store>;

@@ -1,0 +1,262 @@
+//! What a tool is to the runtime: the `Tool` trait, its declared policy (`ToolSpec`), the
+//! result envelope the model sees, and the classified errors.
+//!
+//! Kinds of tools: native Rust (`builtin`), and — added by later modules — HTTP and MCP. Every
+//! kind is checked the same way: one JSON Schema per tool, validated in `registry` before
+//! anything runs; execution goes through the shared pool in `executor`.
+
+// pub mod builtin;
+// pub mod executor;
+// pub mod registry;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::ids::{CallId, RunId};
+
+/// What running the tool does to the world, which decides what recovery may do with a call
+/// whose outcome is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolEffect {
+    /// No side effect: may be repeated freely.
+    Read,
+    /// Repeating with the same idempotency key is safe: resent after a crash.
+    Idempotent,
+    /// Repeating may double the effect: reconciled, or parked for an operator.
+    Unsafe,
+}
+
+/// When a call needs an operator's approval before it runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalRule {
+    Never,
+    Always,
+}
+
+/// A tool's declared contract. The runtime enforces it whatever the model says.
+#[derive(Debug, Clone)]
+pub struct ToolSpec {
+    /// Unique name, `^[a-zA-Z0-9_-]{1,64}$`.
+    pub name: String,
+    pub description: String,
+    /// JSON Schema of the arguments (draft 2020-12).
+    pub parameters: Value,
+    pub effect: ToolEffect,
+    pub approval: ApprovalRule,
+    pub timeout: Duration,
+    /// Serialized output larger than this is cut and marked `truncated`.
+    pub max_output_bytes: usize,
+    /// A polling tool (e.g. "check job status") may repeat the same call without counting as
+    /// no progress.
+    pub polling: bool,
+    /// The tool can answer "did the call with this key run?" (see `Tool::status`).
+    pub reconcilable: bool,
+}
+
+impl ToolSpec {
+    /// A spec with conservative defaults: `unsafe`, no approval, 30 s, 64 KiB output.
+    pub fn new(name: impl Into<String>, description: impl Into<String>, parameters: Value) -> Self {
+        ToolSpec {
+            name: name.into(),
+            description: description.into(),
+            parameters,
+            effect: ToolEffect::Unsafe,
+            approval: ApprovalRule::Never,
+            timeout: Duration::from_secs(30),
+            max_output_bytes: 64 * 1024,
+            polling: false,
+            reconcilable: false,
+        }
+    }
+
+    pub fn effect(mut self, effect: ToolEffect) -> Self {
+        self.effect = effect;
+        self
+    }
+
+    pub fn approval(mut self, approval: ApprovalRule) -> Self {
+        self.approval = approval;
+        self
+    }
+
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn max_output_bytes(mut self, n: usize) -> Self {
+        self.max_output_bytes = n;
+        self
+    }
+
+    pub fn polling(mut self, polling: bool) -> Self {
+        self.polling = polling;
+        self
+    }
+}
+
+/// Everything a tool gets besides its arguments.
+#[derive(Debug, Clone)]
+pub struct ToolContext {
+    pub run_id: RunId,
+    pub call_id: CallId,
+    /// Server-derived; identical on every attempt of this logical call.
+    pub idempotency_key: String,
+    /// Cancelled when the run is cancelled or the call times out.
+    pub cancel: CancellationToken,
+}
+
+/// Classified tool failure codes, as the model and operators see them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolErrorCode {
+    /// The arguments did not match the schema (also produced before execution).
+    InvalidArgument,
+    /// A transient failure that did not apply the effect (e.g. 429, connection refused).
+    Retryable,
+    /// The tool refused or failed definitively.
+    Failed,
+    /// The caller lacks permission.
+    Permission,
+    /// The call may or may not have taken effect (timeout, connection lost mid-call).
+    OutcomeUnknown,
+    /// The call exceeded its timeout.
+    Timeout,
+    /// The tool is not known, or not allowed for this agent.
+    ToolNotAllowed,
+    /// An operator rejected the call.
+    ApprovalDenied,
+    /// The tool pool was full; the call was not started.
+    Overloaded,
+}
+
+impl ToolErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolErrorCode::InvalidArgument => "invalid_argument",
+            ToolErrorCode::Retryable => "retryable",
+            ToolErrorCode::Failed => "failed",
+            ToolErrorCode::Permission => "permission",
+            ToolErrorCode::OutcomeUnknown => "outcome_unknown",
+            ToolErrorCode::Timeout => "timeout",
+            ToolErrorCode::ToolNotAllowed => "tool_not_allowed",
+            ToolErrorCode::ApprovalDenied => "approval_denied",
+            ToolErrorCode::Overloaded => "overloaded",
+        }
+    }
+}
+
+/// A tool failure: a code and one short sentence for the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{}: {message}", code.as_str())]
+pub struct ToolError {
+    pub code: ToolErrorCode,
+    pub message: String,
+}
+
+impl ToolError {
+    pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
+        ToolError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// The envelope a tool result travels in, to the model and into the event log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolResult {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ToolError>,
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+impl ToolResult {
+    pub fn success(data: Value) -> Self {
+        ToolResult {
+            ok: true,
+            data: Some(data),
+            error: None,
+            truncated: false,
+        }
+    }
+
+    pub fn failure(error: ToolError) -> Self {
+        ToolResult {
+            ok: false,
+            data: None,
+            error: Some(error),
+            truncated: false,
+        }
+    }
+
+    pub fn error_code(&self) -> Option<ToolErrorCode> {
+        self.error.as_ref().map(|e| e.code)
+    }
+
+    /// Caps the serialized size of `data` at `max_bytes`: a longer output is replaced by its
+    /// first bytes (cut on a UTF-8 boundary) as a string, and `truncated` is set.
+    pub fn capped(mut self, max_bytes: usize) -> Self {
+        if let Some(data) = &self.data {
+            let text = data.to_string();
+            if text.len() > max_bytes {
+                let mut cut = max_bytes;
+                while cut > 0 && !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                self.data = Some(Value::String(text[..cut].to_owned()));
+                self.truncated = true;
+            }
+        }
+        self
+    }
+
+    /// The text of the tool message the model receives.
+    pub fn to_message_content(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|_| r#"{"ok":false}"#.to_owned())
+    }
+}
+
+/// A tool the runtime can call.
+#[async_trait]
+pub trait Tool: Send + Sync + 'static {
+    fn spec(&self) -> &ToolSpec;
+
+    /// Runs the call. Arguments have already been validated against `spec().parameters`.
+    async fn call(&self, ctx: &ToolContext, arguments: Value) -> Result<Value, ToolError>;
+
+    /// Reconciliation: did the call with `ctx.idempotency_key` run? `Ok(Some(result))` if it
+    /// did, `Ok(None)` if it never ran. Only asked when `spec().reconcilable`.
+    async fn status(&self, ctx: &ToolContext) -> Result<Option<Value>, ToolError> {
+        let _ = ctx;
+        Err(ToolError::new(
+            ToolErrorCode::Failed,
+            "this tool cannot report the status of a call",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn capping_cuts_on_char_boundary_and_marks_truncated() {
+        let r = ToolResult::success(json!("ééééé")).capped(4);
+        assert!(r.truncated);
+        assert_eq!(r.data, Some(json!("\"é")));
+        let small = ToolResult::success(json!({"a": 1})).capped(100);
+        assert!(!small.truncated);
+    }
+}
