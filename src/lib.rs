@@ -7,10 +7,16 @@
 //! - `store`: checkpoints, leases, control inbox and event logs;
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
 
+pub mod agent;
 pub mod clock;
+pub mod config_duration;
+pub mod hub;
 pub mod idempotency;
 pub mod ids;
+pub mod metrics;
 pub mod model;
+pub mod pool;
 pub mod run;
+pub mod runtime;
 pub mod store;
 pub mod tool;

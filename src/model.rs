@@ -4,8 +4,8 @@
 //! Providers: `scripted` (cassettes, for tests, the demo and the benchmark). The shared pool
 //! that calls them is `gateway`.
 
-// pub mod gateway;
-// pub mod scripted;
+pub mod gateway;
+pub mod scripted;
 
 use std::time::Duration;
 

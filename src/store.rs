@@ -167,8 +167,11 @@ pub trait CheckpointStore: Send + Sync + 'static {
         events: &[EventRecord],
     ) -> Result<()>;
 
-    /// Takes (or renews, for the same owner) the run's lease for `ttl`. A new owner gets a
-    /// larger token; a live lease of another owner gives `LeaseHeld`.
+    /// Takes the run's lease for `ttl` and returns a new token, larger than every token issued
+    /// before for this run — also when `owner` already held it (a restarted process or actor is
+    /// a new incarnation and must fence out the old one). A live lease of another owner gives
+    /// `LeaseHeld`. Commits check the token only, not the expiry: an expired lease stays valid
+    /// until someone else claims the run.
     async fn claim(&self, run: &RunId, owner: &str, ttl: Duration) -> Result<Lease>;
 
     /// Gives the lease up if still held; a no-op otherwise.

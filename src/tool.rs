@@ -5,9 +5,9 @@
 //! kind is checked the same way: one JSON Schema per tool, validated in `registry` before
 //! anything runs; execution goes through the shared pool in `executor`.
 
-// pub mod builtin;
-// pub mod executor;
-// pub mod registry;
+pub mod builtin;
+pub mod executor;
+pub mod registry;
 
 use std::time::Duration;
 

@@ -51,10 +51,19 @@ impl Status {
     }
 }
 
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl std::str::FromStr for Status {
     type Err = ();
     fn from_str(s: &str) -> Result<Self, ()> {
-        Status::ALL.into_iter().find(|st| st.as_str() == s).ok_or(())
+        Status::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or(())
     }
 }
 
@@ -192,6 +201,10 @@ pub struct RunState {
     /// Names of tools that succeeded in this run (for `tool_succeeded` verifiers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub succeeded_tools: Vec<String>,
+    /// Operator decisions on calls of this run (call, approved?), so a repeated decision gets
+    /// the same answer after its batch is over.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub decided: Vec<(CallId, bool)>,
     /// Highest control-inbox seq already applied.
     #[serde(default)]
     pub controls_applied: u64,
@@ -239,6 +252,7 @@ impl RunState {
             question: None,
             queued_input: Vec::new(),
             succeeded_tools: Vec::new(),
+            decided: Vec::new(),
             controls_applied: 0,
             restarts: 0,
             created_at_ms: now_ms,

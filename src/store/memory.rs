@@ -134,16 +134,16 @@ impl CheckpointStore for MemoryStore {
             .get_mut(run)
             .ok_or_else(|| Error::NotFound(run.clone()))?;
         let now = Instant::now();
-        let token = match &entry.lease {
-            Some(l) if l.owner == owner => l.token,
-            Some(l) if l.expires > now => {
+        match &entry.lease {
+            Some(l) if l.owner != owner && l.expires > now => {
                 return Err(Error::LeaseHeld {
                     run: run.clone(),
                     owner: l.owner.clone(),
                 });
             }
-            _ => entry.last_token + 1,
-        };
+            _ => {}
+        }
+        let token = entry.last_token + 1;
         entry.last_token = token;
         entry.lease = Some(HeldLease {
             owner: owner.to_owned(),
@@ -222,7 +222,13 @@ impl CheckpointStore for MemoryStore {
         Ok(self
             .runs
             .get(run)
-            .map(|e| e.controls.iter().filter(|c| c.seq > after).cloned().collect())
+            .map(|e| {
+                e.controls
+                    .iter()
+                    .filter(|c| c.seq > after)
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default())
     }
 
@@ -245,4 +251,3 @@ impl EventLog for MemoryStore {
             .unwrap_or_default())
     }
 }
-

@@ -1,0 +1,161 @@
+//! Runtime counters and latency histograms, lock-free, rendered in the Prometheus text format.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::run::Status;
+
+/// Upper bounds of the latency buckets, in microseconds.
+const BUCKETS_US: [u64; 16] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 5_000_000, 30_000_000,
+];
+
+/// A latency histogram with fixed buckets; also keeps exact quantiles' raw material in buckets.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BUCKETS_US.len() + 1],
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
+        let i = BUCKETS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(BUCKETS_US.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (i, b) in BUCKETS_US.iter().enumerate() {
+            cumulative += self.counts[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{}\"}} {cumulative}",
+                *b as f64 / 1e6
+            );
+        }
+        cumulative += self.counts[BUCKETS_US.len()].load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}\n{name}_count {}",
+            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            self.count.load(Ordering::Relaxed)
+        );
+    }
+}
+
+/// The runtime's metrics.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Runs that reached each status, indexed like `Status::ALL`.
+    pub runs_entered: [AtomicU64; 7],
+    pub transitions: AtomicU64,
+    pub restarts: AtomicU64,
+    pub crash_loops: AtomicU64,
+    pub store_retries: AtomicU64,
+    pub live_runs: AtomicU64,
+    /// One model turn and its tool batch.
+    pub step_latency: Histogram,
+    pub model_latency: Histogram,
+    pub tool_latency: Histogram,
+    pub model_errors: AtomicU64,
+    pub tool_errors: AtomicU64,
+}
+
+fn status_index(s: Status) -> usize {
+    Status::ALL.iter().position(|x| *x == s).unwrap_or(0)
+}
+
+impl Metrics {
+    pub fn entered(&self, s: Status) {
+        self.runs_entered[status_index(s)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Appends the Prometheus text for these metrics.
+    pub fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP agentd_runs_entered_total Runs that entered each status.\n# TYPE agentd_runs_entered_total counter"
+        );
+        for s in Status::ALL {
+            let _ = writeln!(
+                out,
+                "agentd_runs_entered_total{{status=\"{}\"}} {}",
+                s.as_str(),
+                self.runs_entered[status_index(s)].load(Ordering::Relaxed)
+            );
+        }
+        for (name, help, v) in [
+            (
+                "agentd_transitions_total",
+                "State transitions committed.",
+                &self.transitions,
+            ),
+            (
+                "agentd_run_restarts_total",
+                "Run actors restarted after a crash.",
+                &self.restarts,
+            ),
+            (
+                "agentd_crash_loops_total",
+                "Runs failed with crash_loop.",
+                &self.crash_loops,
+            ),
+            (
+                "agentd_store_retries_total",
+                "Commits retried because the store was unavailable.",
+                &self.store_retries,
+            ),
+            (
+                "agentd_model_errors_total",
+                "Model requests that failed after the gateway's retries.",
+                &self.model_errors,
+            ),
+            (
+                "agentd_tool_errors_total",
+                "Tool calls that returned an error.",
+                &self.tool_errors,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP agentd_live_runs Run actors alive now.\n# TYPE agentd_live_runs gauge\nagentd_live_runs {}",
+            self.live_runs.load(Ordering::Relaxed)
+        );
+        self.step_latency.render(
+            out,
+            "agentd_step_latency_seconds",
+            "One model turn plus its tool calls.",
+        );
+        self.model_latency.render(
+            out,
+            "agentd_model_call_latency_seconds",
+            "Model calls, queueing and retries included.",
+        );
+        self.tool_latency.render(
+            out,
+            "agentd_tool_call_latency_seconds",
+            "Tool calls, queueing included.",
+        );
+    }
+}

@@ -1,0 +1,362 @@
+//! The scripted model provider: replays a cassette (a list of replies, or rules on the
+//! conversation) with an optional per-call delay. For tests, the demo and the benchmark.
+//!
+//! It is stateless per run: the reply for a request is chosen from the conversation itself (how
+//! many assistant turns it holds, what the last tool result says), so a restarted run gets the
+//! same replies — exactly like a recorded cassette.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dashmap::DashMap;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{
+    AttemptError, Message, ModelError, ModelErrorKind, ModelProvider, ModelReply, ModelRequest,
+    ModelToolCall, TokenUsage,
+};
+
+/// A tool call as written in a cassette: arguments as JSON (or a raw string to test malformed
+/// arguments).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CassetteCall {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+/// A scripted failure, returned `times` times for the same (run, turn) before the reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CassetteError {
+    pub kind: ModelErrorKind,
+    #[serde(default)]
+    pub message: String,
+    #[serde(default = "one")]
+    pub times: u32,
+    #[serde(default)]
+    pub retry_after_ms: Option<u64>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// One scripted reply.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CassetteReply {
+    #[serde(default)]
+    pub text: Option<String>,
+    #[serde(default)]
+    pub tool_calls: Vec<CassetteCall>,
+    /// Fail first, then reply.
+    #[serde(default)]
+    pub error: Option<CassetteError>,
+    #[serde(default)]
+    pub input_tokens: Option<u64>,
+    #[serde(default)]
+    pub output_tokens: Option<u64>,
+}
+
+/// When a rule applies. All given conditions must hold.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Condition {
+    /// The turn number (1 = the first model call of the run).
+    #[serde(default)]
+    pub turn: Option<u32>,
+    /// The last tool result contains this text.
+    #[serde(default)]
+    pub last_tool_contains: Option<String>,
+    /// The last user message contains this text.
+    #[serde(default)]
+    pub last_user_contains: Option<String>,
+    /// Tools are disabled for this turn (a forced final turn).
+    #[serde(default)]
+    pub tools_disabled: Option<bool>,
+}
+
+/// A rule: the first matching rule's reply is used.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rule {
+    #[serde(default)]
+    pub when: Condition,
+    pub reply: CassetteReply,
+}
+
+/// A cassette.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Cassette {
+    /// Reply `i` answers turn `i + 1`; past the end, the last reply repeats.
+    Replies { replies: Vec<CassetteReply> },
+    /// The first rule whose condition holds; `default` otherwise.
+    Rules {
+        rules: Vec<Rule>,
+        #[serde(default)]
+        default: Option<CassetteReply>,
+    },
+}
+
+/// Chooses replies by code (for tests that need more than a cassette).
+pub type ScriptFn = dyn Fn(&ModelRequest) -> Result<ModelReply, ModelError> + Send + Sync;
+
+enum Script {
+    Cassette(Cassette),
+    Fn(Arc<ScriptFn>),
+}
+
+/// The scripted provider.
+pub struct ScriptedModel {
+    name: String,
+    script: Script,
+    delay: Duration,
+    /// Failures already returned per (run, turn).
+    failures: DashMap<(String, u32), u32>,
+}
+
+impl std::fmt::Debug for ScriptedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScriptedModel")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+/// The turn a request is for: assistant messages so far + 1.
+pub fn turn_of(request: &ModelRequest) -> u32 {
+    request
+        .messages
+        .iter()
+        .filter(|m| matches!(m, Message::Assistant { .. }))
+        .count() as u32
+        + 1
+}
+
+impl ScriptedModel {
+    pub fn new(name: impl Into<String>, cassette: Cassette) -> Self {
+        ScriptedModel {
+            name: name.into(),
+            script: Script::Cassette(cassette),
+            delay: Duration::ZERO,
+            failures: DashMap::new(),
+        }
+    }
+
+    pub fn from_fn(
+        name: impl Into<String>,
+        f: impl Fn(&ModelRequest) -> Result<ModelReply, ModelError> + Send + Sync + 'static,
+    ) -> Self {
+        ScriptedModel {
+            name: name.into(),
+            script: Script::Fn(Arc::new(f)),
+            delay: Duration::ZERO,
+            failures: DashMap::new(),
+        }
+    }
+
+    /// Parses a cassette from JSON text.
+    pub fn parse_cassette(json: &str) -> Result<Cassette, String> {
+        serde_json::from_str(json).map_err(|e| format!("invalid cassette: {e}"))
+    }
+
+    pub fn with_delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    fn pick(&self, request: &ModelRequest) -> Option<CassetteReply> {
+        let Script::Cassette(cassette) = &self.script else {
+            return None;
+        };
+        let turn = turn_of(request);
+        match cassette {
+            Cassette::Replies { replies } => replies
+                .get(turn as usize - 1)
+                .or_else(|| replies.last())
+                .cloned(),
+            Cassette::Rules { rules, default } => rules
+                .iter()
+                .find(|r| matches(&r.when, turn, request))
+                .map(|r| r.reply.clone())
+                .or_else(|| default.clone()),
+        }
+    }
+
+    fn render(
+        &self,
+        request: &ModelRequest,
+        reply: CassetteReply,
+    ) -> Result<ModelReply, AttemptError> {
+        let turn = turn_of(request);
+        if let Some(err) = &reply.error {
+            let mut seen = self
+                .failures
+                .entry((request.run_id.to_string(), turn))
+                .or_insert(0);
+            if *seen < err.times {
+                *seen += 1;
+                return Err(AttemptError {
+                    error: ModelError::new(err.kind, err.message.clone()),
+                    retry_after: err.retry_after_ms.map(Duration::from_millis),
+                });
+            }
+        }
+        let input_estimate: u64 = request.messages.iter().map(message_len).sum::<u64>() / 4;
+        let tool_calls: Vec<ModelToolCall> = reply
+            .tool_calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ModelToolCall {
+                id: format!("m{turn}_{i}"),
+                name: c.name.clone(),
+                arguments: match &c.arguments {
+                    // A string is sent verbatim: cassettes use it for malformed JSON.
+                    Value::String(raw) => raw.clone(),
+                    other => other.to_string(),
+                },
+            })
+            .collect();
+        let output_estimate = (reply.text.as_ref().map_or(0, String::len)
+            + tool_calls
+                .iter()
+                .map(|c| c.arguments.len() + c.name.len())
+                .sum::<usize>()) as u64
+            / 4;
+        Ok(ModelReply {
+            text: reply.text,
+            tool_calls,
+            usage: TokenUsage {
+                input_tokens: reply.input_tokens.unwrap_or(input_estimate),
+                output_tokens: reply.output_tokens.unwrap_or(output_estimate.max(1)),
+            },
+        })
+    }
+}
+
+fn message_len(m: &Message) -> u64 {
+    (match m {
+        Message::System { content } | Message::User { content } => content.len(),
+        Message::Assistant {
+            content,
+            tool_calls,
+        } => {
+            content.as_ref().map_or(0, String::len)
+                + tool_calls.iter().map(|c| c.arguments.len()).sum::<usize>()
+        }
+        Message::Tool { content, .. } => content.len(),
+    }) as u64
+}
+
+fn matches(c: &Condition, turn: u32, request: &ModelRequest) -> bool {
+    let last_tool = request.messages.iter().rev().find_map(|m| match m {
+        Message::Tool { content, .. } => Some(content.as_str()),
+        _ => None,
+    });
+    let last_user = request.messages.iter().rev().find_map(|m| match m {
+        Message::User { content } => Some(content.as_str()),
+        _ => None,
+    });
+    c.turn.is_none_or(|t| t == turn)
+        && c.last_tool_contains
+            .as_ref()
+            .is_none_or(|s| last_tool.is_some_and(|t| t.contains(s.as_str())))
+        && c.last_user_contains
+            .as_ref()
+            .is_none_or(|s| last_user.is_some_and(|t| t.contains(s.as_str())))
+        && c.tools_disabled
+            .is_none_or(|d| d == (request.tool_choice == super::ToolChoice::None))
+}
+
+#[async_trait]
+impl ModelProvider for ScriptedModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn complete(&self, request: &ModelRequest) -> Result<ModelReply, AttemptError> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        match &self.script {
+            Script::Fn(f) => f(request).map_err(AttemptError::from),
+            Script::Cassette(_) => match self.pick(request) {
+                Some(reply) => self.render(request, reply),
+                None => Err(AttemptError::from(ModelError::new(
+                    ModelErrorKind::Rejected,
+                    "the cassette has no reply for this conversation",
+                ))),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::RunId;
+    use crate::model::ToolChoice;
+
+    fn request(messages: Vec<Message>) -> ModelRequest {
+        ModelRequest {
+            run_id: RunId::generate(),
+            model: "m".into(),
+            messages,
+            tools: vec![],
+            tool_choice: ToolChoice::Auto,
+        }
+    }
+
+    #[tokio::test]
+    async fn replays_by_turn_and_rules() {
+        let cassette = ScriptedModel::parse_cassette(
+            r#"{"replies": [{"tool_calls": [{"name": "echo", "arguments": {"text": "a"}}]}, {"text": "done"}]}"#,
+        )
+        .unwrap();
+        let m = ScriptedModel::new("s", cassette);
+        let first = m.complete(&request(vec![])).await.unwrap();
+        assert_eq!(first.tool_calls[0].arguments, r#"{"text":"a"}"#);
+        let second = m
+            .complete(&request(vec![Message::Assistant {
+                content: None,
+                tool_calls: first.tool_calls.clone(),
+            }]))
+            .await
+            .unwrap();
+        assert_eq!(second.text.as_deref(), Some("done"));
+
+        let rules = ScriptedModel::parse_cassette(
+            r#"{"rules": [{"when": {"last_tool_contains": "boom"}, "reply": {"text": "saw boom"}}], "default": {"text": "fine"}}"#,
+        )
+        .unwrap();
+        let m = ScriptedModel::new("r", rules);
+        let boom = request(vec![Message::Tool {
+            call_id: "x".into(),
+            content: "boom".into(),
+        }]);
+        assert_eq!(
+            m.complete(&boom).await.unwrap().text.as_deref(),
+            Some("saw boom")
+        );
+        assert_eq!(
+            m.complete(&request(vec![])).await.unwrap().text.as_deref(),
+            Some("fine")
+        );
+    }
+
+    #[tokio::test]
+    async fn scripted_errors_repeat_then_reply() {
+        let c = ScriptedModel::parse_cassette(
+            r#"{"replies": [{"text": "ok", "error": {"kind": "rate_limited", "times": 2, "retry_after_ms": 5}}]}"#,
+        )
+        .unwrap();
+        let m = ScriptedModel::new("e", c);
+        let r = request(vec![]);
+        assert_eq!(
+            m.complete(&r).await.unwrap_err().error.kind,
+            ModelErrorKind::RateLimited
+        );
+        assert!(m.complete(&r).await.is_err());
+        assert_eq!(m.complete(&r).await.unwrap().text.as_deref(), Some("ok"));
+    }
+}

@@ -1,0 +1,603 @@
+//! `RunActor`: one ractor actor per live run. It owns the run's state, feeds every input through
+//! the pure `step`, commits the new checkpoint and its one event before anything else, then
+//! carries out the effects.
+//!
+//! It never awaits a model or tool call in a handler: requests go to the shared pools with the
+//! actor's address and the run's epoch, and replies come back as messages, so cancel, approve
+//! and input are handled while a slow call is in flight. The only awaits are store writes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio_util::sync::CancellationToken;
+
+use super::machine::{Effect, InvalidTransition, Policy, RunEvent, StepContext, step};
+use super::state::RunState;
+use super::verify::verify_all;
+use crate::agent::Agent;
+use crate::clock::now_ms;
+use crate::hub::Hub;
+use crate::ids::RunId;
+use crate::metrics::Metrics;
+use crate::model::gateway::ModelGateway;
+use crate::model::{ModelRequest, ToolChoice};
+use crate::store::{self, Checkpoint, Control, EventRecord, Lease, SharedStore};
+use crate::tool::executor::{ToolExecutor, ToolOutcome, ToolWork};
+use crate::tool::{ToolContext, ToolError, ToolErrorCode, ToolResult};
+
+/// One run's actor.
+#[derive(Debug)]
+pub struct RunActor;
+
+/// What a run actor handles.
+pub enum RunMsg {
+    /// A pool reply or a timer.
+    Event(RunEvent),
+    /// A control message already stored in the run's inbox at `seq`.
+    Control {
+        seq: u64,
+        control: Control,
+        reply: Option<RpcReplyPort<ControlReply>>,
+    },
+    /// The run's current state.
+    Get(RpcReplyPort<RunState>),
+}
+
+/// The answer to a control message: the state after it, or why it did not apply.
+pub type ControlReply = Result<RunState, InvalidTransition>;
+
+/// How the actor begins.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Boot {
+    /// A new run: `Start`.
+    Start,
+    /// A restart from the checkpoint (crash, or daemon start): `Resume`.
+    Recover,
+    /// Fail the run from its checkpoint (e.g. `crash_loop`).
+    Abort { code: String, message: String },
+}
+
+/// Deliberate faults for chaos and supervision tests.
+pub trait FaultInjector: Send + Sync + 'static {
+    /// Return true to panic in the run's handler just before `event` is applied.
+    fn panic_before(&self, run: &RunState, event: &RunEvent) -> bool;
+}
+
+/// Everything a run actor needs, shared by all runs.
+pub struct RunDeps {
+    pub store: SharedStore,
+    pub hub: Arc<Hub>,
+    pub gateway: ModelGateway,
+    pub tools: ToolExecutor,
+    pub agents: HashMap<String, Arc<Agent>>,
+    pub policy: Policy,
+    /// Lease owner name of this runtime instance.
+    pub node_id: String,
+    pub lease_ttl: Duration,
+    pub faults: Option<Arc<dyn FaultInjector>>,
+    pub metrics: Arc<Metrics>,
+    /// Non-terminal runs per tenant (for the per-tenant limit); a run leaves it when it ends.
+    pub active: dashmap::DashMap<String, std::sync::atomic::AtomicI64>,
+}
+
+/// Start arguments.
+pub struct RunArgs {
+    pub id: RunId,
+    pub boot: Boot,
+    pub deps: Arc<RunDeps>,
+}
+
+/// The actor's state: empty until `post_start` has loaded the checkpoint.
+pub struct RunActorState {
+    id: RunId,
+    boot: Boot,
+    deps: Arc<RunDeps>,
+    live: Option<Live>,
+}
+
+struct Live {
+    run: RunState,
+    lease: Lease,
+    agent: Arc<Agent>,
+    /// Cancels the requests of the current incarnation; replaced after each abort.
+    cancel: CancellationToken,
+    deadline_timer: Option<tokio::task::AbortHandle>,
+    turn_started: Option<Instant>,
+    store_failures: u32,
+}
+
+/// Why a run actor stopped itself or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("run {0}: checkpoint not found")]
+    Missing(RunId),
+    #[error("run {run}: checkpoint is unreadable: {message}")]
+    Corrupt { run: RunId, message: String },
+    #[error("run {run}: {source}")]
+    Store { run: RunId, source: store::Error },
+}
+
+/// Serializes the run into its stored form.
+pub fn checkpoint_of(run: &RunState) -> Result<Checkpoint, serde_json::Error> {
+    Ok(Checkpoint {
+        run_id: run.id.clone(),
+        tenant: run.tenant.clone(),
+        agent: run.agent.clone(),
+        status: run.status.as_str().to_owned(),
+        terminal: run.is_terminal(),
+        version: run.version,
+        created_at_ms: run.created_at_ms,
+        updated_at_ms: run.updated_at_ms,
+        body: serde_json::to_string(run)?,
+    })
+}
+
+/// Reads the run back from its stored form.
+pub fn state_of(cp: &Checkpoint) -> Result<RunState, serde_json::Error> {
+    serde_json::from_str(&cp.body)
+}
+
+enum Applied {
+    Done,
+    Rejected(InvalidTransition),
+    /// The store could not take the commit; nothing changed. Try again later.
+    StoreDown,
+    /// Another writer owns the run now: stop.
+    LostOwnership,
+}
+
+impl Actor for RunActor {
+    type Msg = RunMsg;
+    type State = RunActorState;
+    type Arguments = RunArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<RunMsg>,
+        args: RunArgs,
+    ) -> Result<RunActorState, ActorProcessingErr> {
+        // No I/O here: the supervisor waits for pre_start.
+        Ok(RunActorState {
+            id: args.id,
+            boot: args.boot,
+            deps: args.deps,
+            live: None,
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<RunMsg>,
+        st: &mut RunActorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let deps = st.deps.clone();
+        let id = st.id.clone();
+        let store_err = |source| Error::Store {
+            run: id.clone(),
+            source,
+        };
+        let cp = deps
+            .store
+            .load(&id)
+            .await
+            .map_err(store_err)?
+            .ok_or_else(|| Error::Missing(id.clone()))?;
+        let run = state_of(&cp).map_err(|e| Error::Corrupt {
+            run: id.clone(),
+            message: e.to_string(),
+        })?;
+        if run.is_terminal() {
+            myself.stop(Some("terminal".into()));
+            return Ok(());
+        }
+        let lease = match deps.store.claim(&id, &deps.node_id, deps.lease_ttl).await {
+            Ok(l) => l,
+            Err(store::Error::LeaseHeld { owner, .. }) => {
+                tracing::info!(run = %id, %owner, "run is owned by another node");
+                myself.stop(Some("leased_elsewhere".into()));
+                return Ok(());
+            }
+            Err(e) => return Err(store_err(e).into()),
+        };
+        let Some(agent) = deps.agents.get(&run.agent).cloned() else {
+            // The agent was removed from config: the run cannot continue.
+            let mut live = Live::new(run, lease, Arc::new(placeholder_agent(&deps)));
+            let event = RunEvent::Abort {
+                code: "unknown_agent".into(),
+                message: "the run's agent is no longer configured".into(),
+            };
+            apply_or_retry(&myself, &deps, &mut live, event, None).await;
+            st.live = Some(live);
+            return Ok(());
+        };
+        deps.metrics.live_runs.fetch_add(1, Ordering::Relaxed);
+        let mut live = Live::new(run, lease, agent);
+        if let Some(deadline) = live.run.budget.deadline_ms {
+            let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
+            live.deadline_timer = Some(
+                myself
+                    .send_after(wait, || RunMsg::Event(RunEvent::DeadlineReached))
+                    .abort_handle(),
+            );
+        }
+        let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
+            Boot::Start => RunEvent::Start,
+            Boot::Recover => RunEvent::Resume,
+            Boot::Abort { code, message } => RunEvent::Abort { code, message },
+        };
+        apply_or_retry(&myself, &deps, &mut live, boot, None).await;
+        // Control messages stored but not yet applied (e.g. sent while the run was down).
+        if !live.run.is_terminal() {
+            let after = live.run.controls_applied;
+            let pending = deps.store.controls(&id, after).await.map_err(store_err)?;
+            for c in pending {
+                if live.run.is_terminal() {
+                    break;
+                }
+                apply_control(&myself, &deps, &mut live, c.seq, c.control, None).await;
+            }
+        }
+        st.live = Some(live);
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<RunMsg>,
+        msg: RunMsg,
+        st: &mut RunActorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let deps = st.deps.clone();
+        let Some(live) = st.live.as_mut() else {
+            return Ok(());
+        };
+        match msg {
+            RunMsg::Event(event) => {
+                apply_or_retry(&myself, &deps, live, event, None).await;
+            }
+            RunMsg::Control {
+                seq,
+                control,
+                reply,
+            } => {
+                apply_control(&myself, &deps, live, seq, control, reply).await;
+            }
+            RunMsg::Get(reply) => {
+                let _ = reply.send(live.run.clone());
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<RunMsg>,
+        st: &mut RunActorState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(live) = st.live.take() {
+            live.cancel.cancel();
+            if let Some(t) = live.deadline_timer {
+                t.abort();
+            }
+            if !live.run.is_terminal() {
+                st.deps.metrics.live_runs.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn placeholder_agent(deps: &RunDeps) -> Agent {
+    let registry = Arc::new(crate::tool::registry::Registry::new());
+    let spec = crate::agent::AgentSpec::new("unknown", "none");
+    let _ = deps;
+    Agent {
+        tools: crate::tool::registry::AgentTools::new(registry, Arc::from(Vec::<String>::new())),
+        definitions: Vec::new(),
+        spec,
+    }
+}
+
+impl Live {
+    fn new(run: RunState, lease: Lease, agent: Arc<Agent>) -> Self {
+        Live {
+            run,
+            lease,
+            agent,
+            cancel: CancellationToken::new(),
+            deadline_timer: None,
+            turn_started: None,
+            store_failures: 0,
+        }
+    }
+}
+
+async fn apply_control(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+    seq: u64,
+    control: Control,
+    reply: Option<RpcReplyPort<ControlReply>>,
+) {
+    if seq <= live.run.controls_applied {
+        // Already applied (read from the inbox at start): same outcome again.
+        if let Some(r) = reply {
+            let _ = r.send(Ok(live.run.clone()));
+        }
+        return;
+    }
+    let event = RunEvent::from(control.clone());
+    match apply(myself, deps, live, event, Some(seq)).await {
+        Applied::Done => {
+            if let Some(r) = reply {
+                let _ = r.send(Ok(live.run.clone()));
+            }
+        }
+        Applied::Rejected(e) => {
+            // Consumed: it will not be re-applied after a restart.
+            live.run.controls_applied = live.run.controls_applied.max(seq);
+            if let Some(r) = reply {
+                let _ = r.send(Err(e));
+            }
+        }
+        Applied::StoreDown => {
+            let after = store_backoff(deps, live);
+            myself.send_after(after, move || RunMsg::Control {
+                seq,
+                control,
+                reply,
+            });
+        }
+        Applied::LostOwnership => {}
+    }
+}
+
+async fn apply_or_retry(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+    event: RunEvent,
+    control_seq: Option<u64>,
+) {
+    let retry = event.clone();
+    match apply(myself, deps, live, event, control_seq).await {
+        Applied::Done | Applied::LostOwnership => {}
+        Applied::Rejected(e) => {
+            tracing::debug!(run = %live.run.id, error = %e, "event did not apply");
+        }
+        Applied::StoreDown => {
+            let after = store_backoff(deps, live);
+            myself.send_after(after, move || RunMsg::Event(retry));
+        }
+    }
+}
+
+fn store_backoff(deps: &RunDeps, live: &mut Live) -> Duration {
+    deps.metrics.store_retries.fetch_add(1, Ordering::Relaxed);
+    live.store_failures += 1;
+    let ms = 100u64
+        .saturating_mul(1 << live.store_failures.min(6))
+        .min(5_000);
+    Duration::from_millis(ms / 2 + rand::random::<u64>() % (ms / 2 + 1))
+}
+
+/// Steps, commits, publishes, then carries out the effects.
+async fn apply(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+    event: RunEvent,
+    control_seq: Option<u64>,
+) -> Applied {
+    if let Some(f) = &deps.faults
+        && f.panic_before(&live.run, &event)
+    {
+        panic!(
+            "injected fault in run {} before {}",
+            live.run.id,
+            event.name()
+        );
+    }
+    let now = now_ms();
+    let before = live.run.clone();
+    let stepped = {
+        let cx = StepContext {
+            now_ms: now,
+            policy: &deps.policy,
+            tools: &live.agent.tools,
+        };
+        step(&mut live.run, event, &cx)
+    };
+    let transition = match stepped {
+        Ok(t) => t,
+        Err(e) => return Applied::Rejected(e),
+    };
+    if let Some(seq) = control_seq {
+        live.run.controls_applied = live.run.controls_applied.max(seq);
+    }
+    let record = EventRecord {
+        seq: live.run.version,
+        at_ms: now,
+        kind: transition.kind.to_owned(),
+        data: transition.data,
+    };
+    let checkpoint = match checkpoint_of(&live.run) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(run = %live.run.id, error = %e, "cannot serialize the run");
+            live.run = before;
+            return Applied::StoreDown;
+        }
+    };
+    match deps
+        .store
+        .commit(
+            &live.lease,
+            &checkpoint,
+            before.version,
+            std::slice::from_ref(&record),
+        )
+        .await
+    {
+        Ok(()) => live.store_failures = 0,
+        Err(e) if e.is_retryable() => {
+            tracing::warn!(run = %live.run.id, error = %e, "commit failed; will retry");
+            live.run = before;
+            return Applied::StoreDown;
+        }
+        Err(e) => {
+            tracing::warn!(run = %live.run.id, error = %e, "lost ownership of the run; stopping its actor");
+            live.run = before;
+            live.cancel.cancel();
+            myself.stop(Some("lease_lost".into()));
+            return Applied::LostOwnership;
+        }
+    }
+    deps.metrics.transitions.fetch_add(1, Ordering::Relaxed);
+    if live.run.status != before.status {
+        deps.metrics.entered(live.run.status);
+    }
+    let terminal = live.run.is_terminal();
+    deps.hub.publish(&live.run.id, &record, terminal);
+    for effect in transition.effects {
+        execute(myself, deps, live, effect);
+    }
+    Applied::Done
+}
+
+fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effect: Effect) {
+    let run = &live.run;
+    match effect {
+        Effect::CallModel { epoch, tool_choice } => {
+            if let Some(t) = live.turn_started.replace(Instant::now()) {
+                deps.metrics.step_latency.observe(t.elapsed());
+            }
+            let request = ModelRequest {
+                run_id: run.id.clone(),
+                model: live.agent.spec.model.clone(),
+                messages: live.agent.context(run),
+                tools: match tool_choice {
+                    ToolChoice::Auto => live.agent.definitions.clone(),
+                    ToolChoice::None => Vec::new(),
+                },
+                tool_choice,
+            };
+            let me = myself.clone();
+            let metrics = deps.metrics.clone();
+            let sent = Instant::now();
+            deps.gateway
+                .submit(request, live.cancel.clone(), move |outcome| {
+                    metrics.model_latency.observe(sent.elapsed());
+                    let event = match outcome {
+                        Ok(reply) => RunEvent::ModelReplied { epoch, reply },
+                        Err(error) => {
+                            metrics.model_errors.fetch_add(1, Ordering::Relaxed);
+                            RunEvent::ModelFailed { epoch, error }
+                        }
+                    };
+                    let _ = me.cast(RunMsg::Event(event));
+                });
+        }
+        Effect::ExecuteTool { epoch, call_id } | Effect::CheckStatus { epoch, call_id } => {
+            let status_check = matches!(
+                effect_kind(&call_id, run),
+                Some(super::state::CallStatus::Reconciling)
+            );
+            let Some(call) = run.call(&call_id) else {
+                tracing::error!(run = %run.id, %call_id, "effect names a call that is not in the batch");
+                return;
+            };
+            let me = myself.clone();
+            let Some(tool) = live.agent.tools.tool(&call.tool) else {
+                // Config changed since the call was validated: answer it without running it.
+                let result = ToolResult::failure(ToolError::new(
+                    ToolErrorCode::ToolNotAllowed,
+                    format!("tool `{}` is no longer available", call.tool),
+                ));
+                let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
+                    epoch,
+                    call_id,
+                    result,
+                }));
+                return;
+            };
+            let ctx = ToolContext {
+                run_id: run.id.clone(),
+                call_id: call_id.clone(),
+                idempotency_key: call.key.clone(),
+                cancel: live.cancel.child_token(),
+            };
+            let work = if status_check {
+                ToolWork::Status
+            } else {
+                ToolWork::Call {
+                    arguments: call.arguments.clone(),
+                }
+            };
+            let metrics = deps.metrics.clone();
+            let sent = Instant::now();
+            deps.tools.submit(tool, ctx, work, move |outcome| {
+                metrics.tool_latency.observe(sent.elapsed());
+                let event = match outcome {
+                    ToolOutcome::Result(result) => {
+                        if !result.ok {
+                            metrics.tool_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                        RunEvent::ToolFinished {
+                            epoch,
+                            call_id,
+                            result,
+                        }
+                    }
+                    ToolOutcome::Status(outcome) => RunEvent::StatusChecked {
+                        epoch,
+                        call_id,
+                        outcome,
+                    },
+                };
+                let _ = me.cast(RunMsg::Event(event));
+            });
+        }
+        Effect::Verify { epoch, candidate } => {
+            let verdict = verify_all(&live.agent.spec.verifiers, &candidate, run);
+            let _ = myself.cast(RunMsg::Event(RunEvent::VerificationDone { epoch, verdict }));
+        }
+        Effect::ScheduleRetry { epoch, after_ms } => {
+            myself.send_after(Duration::from_millis(after_ms), move || {
+                RunMsg::Event(RunEvent::RetryDue { epoch })
+            });
+        }
+        Effect::AbortInFlight => {
+            live.cancel.cancel();
+            live.cancel = CancellationToken::new();
+        }
+        Effect::Finish => {
+            if let Some(t) = live.turn_started.take() {
+                deps.metrics.step_latency.observe(t.elapsed());
+            }
+            if let Some(t) = live.deadline_timer.take() {
+                t.abort();
+            }
+            deps.metrics.live_runs.fetch_sub(1, Ordering::Relaxed);
+            if let Some(n) = deps.active.get(&live.run.tenant) {
+                n.fetch_sub(1, Ordering::SeqCst);
+            }
+            let store = deps.store.clone();
+            let lease = live.lease.clone();
+            tokio::spawn(async move {
+                if let Err(e) = store.release(&lease).await {
+                    tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
+                }
+            });
+            myself.stop(Some("finished".into()));
+        }
+    }
+}
+
+fn effect_kind(call_id: &crate::ids::CallId, run: &RunState) -> Option<super::state::CallStatus> {
+    run.call(call_id).map(|c| c.status)
+}

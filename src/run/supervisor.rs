@@ -1,0 +1,295 @@
+//! `RunSupervisor`: parent of every run actor. It starts runs, routes control messages to them,
+//! and restarts a crashed run from its last checkpoint within a restart budget.
+//!
+//! ```text
+//! RunSupervisor
+//!  ├─ RunActor run_…   (one per live run; restarted here after a panic or handler error)
+//!  └─ …
+//! ModelGateway, ToolExecutor: separate pools, not children, so this supervisor only ever sees
+//! run actors.
+//! ```
+//!
+//! Its handlers never fail and never block: no store calls here (the run actor loads its own
+//! checkpoint in `post_start`), backoff through timers. Control messages that arrive while a run
+//! is down wait here and are delivered after the restart; they are also in the store, so even
+//! losing them here loses nothing.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use serde::{Deserialize, Serialize};
+
+use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg};
+use crate::ids::RunId;
+use crate::store::Control;
+
+/// How often a crashing run is restarted before it fails with `crash_loop`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartPolicy {
+    /// Crashes allowed within `window`; one more fails the run.
+    pub max_restarts: u32,
+    #[serde(with = "crate::config_duration")]
+    pub window: Duration,
+    #[serde(with = "crate::config_duration")]
+    pub backoff_base: Duration,
+    #[serde(with = "crate::config_duration")]
+    pub backoff_max: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            max_restarts: 3,
+            window: Duration::from_secs(600),
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RestartPolicy {
+    /// Exponential backoff for the `n`-th restart, with ±20 % jitter.
+    pub fn backoff(&self, n: u32) -> Duration {
+        let exp = self
+            .backoff_base
+            .saturating_mul(1u32 << n.saturating_sub(1).min(16));
+        exp.min(self.backoff_max)
+            .mul_f64(0.8 + rand::random::<f64>() * 0.4)
+    }
+}
+
+/// The supervisor.
+#[derive(Debug)]
+pub struct RunSupervisor;
+
+/// What the supervisor handles.
+pub enum SupervisorMsg {
+    /// Start (or adopt) a run's actor.
+    Start { id: RunId, boot: Boot },
+    /// Deliver a stored control message; the reply comes from the run's actor.
+    Control {
+        id: RunId,
+        seq: u64,
+        control: Control,
+        reply: RpcReplyPort<ControlReply>,
+    },
+    /// A backoff timer fired: start the run again from its checkpoint.
+    Respawn(RunId),
+    /// Number of runs with a live or restarting actor.
+    Count(RpcReplyPort<usize>),
+}
+
+/// Start arguments.
+pub struct SupervisorArgs {
+    pub deps: Arc<RunDeps>,
+    pub restart: RestartPolicy,
+}
+
+#[derive(Default)]
+struct Entry {
+    actor: Option<ActorRef<RunMsg>>,
+    crashes: VecDeque<Instant>,
+    /// Messages for the run while it is down.
+    pending: Vec<RunMsg>,
+    /// A crash_loop abort is in progress: a further crash gives up.
+    aborting: bool,
+}
+
+/// The supervisor's state.
+pub struct SupervisorState {
+    deps: Arc<RunDeps>,
+    restart: RestartPolicy,
+    runs: HashMap<RunId, Entry>,
+    by_actor: HashMap<ActorId, RunId>,
+}
+
+impl SupervisorState {
+    async fn spawn(&mut self, myself: &ActorRef<SupervisorMsg>, id: RunId, boot: Boot) {
+        let args = RunArgs {
+            id: id.clone(),
+            boot,
+            deps: self.deps.clone(),
+        };
+        match Actor::spawn_linked(None, RunActor, args, myself.get_cell()).await {
+            Ok((actor, _join)) => {
+                let entry = self.runs.entry(id.clone()).or_default();
+                for msg in entry.pending.drain(..) {
+                    if let Err(e) = actor.send_message(msg) {
+                        tracing::warn!(run = %id, error = %e, "could not deliver a buffered message");
+                    }
+                }
+                self.by_actor.insert(actor.get_id(), id);
+                entry.actor = Some(actor);
+            }
+            Err(e) => {
+                // pre_start does no I/O, so this is a bug; count it as a crash.
+                tracing::error!(run = %id, error = %e, "run actor failed to start");
+                self.crashed(myself, id, e.to_string());
+            }
+        }
+    }
+
+    fn crashed(&mut self, myself: &ActorRef<SupervisorMsg>, id: RunId, error: String) {
+        self.deps
+            .metrics
+            .restarts
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let now = Instant::now();
+        let window = self.restart.window;
+        let entry = self.runs.entry(id.clone()).or_default();
+        entry.actor = None;
+        entry.crashes.push_back(now);
+        while entry
+            .crashes
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > window)
+        {
+            entry.crashes.pop_front();
+        }
+        let n = entry.crashes.len() as u32;
+        if entry.aborting {
+            tracing::error!(run = %id, %error, "run crashed while being failed for crash_loop; leaving it for the next start");
+            self.runs.remove(&id);
+            return;
+        }
+        if n > self.restart.max_restarts {
+            tracing::error!(run = %id, crashes = n, %error, "run keeps crashing; failing it with crash_loop");
+            entry.aborting = true;
+            self.deps
+                .metrics
+                .crash_loops
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let boot = Boot::Abort {
+                code: "crash_loop".into(),
+                message: format!("the run crashed {n} times within {window:?}; last: {error}"),
+            };
+            let me = myself.clone();
+            // Through the mailbox, so this handler stays short.
+            let _ = me.cast(SupervisorMsg::Start { id, boot });
+            return;
+        }
+        let wait = self.restart.backoff(n);
+        tracing::warn!(run = %id, crash = n, ?wait, %error, "run crashed; restarting from its checkpoint");
+        myself.send_after(wait, move || SupervisorMsg::Respawn(id));
+    }
+}
+
+impl Actor for RunSupervisor {
+    type Msg = SupervisorMsg;
+    type State = SupervisorState;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        Ok(SupervisorState {
+            deps: args.deps,
+            restart: args.restart,
+            runs: HashMap::new(),
+            by_actor: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        st: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SupervisorMsg::Start { id, boot } => {
+                let live = st.runs.get(&id).is_some_and(|e| e.actor.is_some());
+                if !live {
+                    st.spawn(&myself, id, boot).await;
+                }
+            }
+            SupervisorMsg::Respawn(id) => {
+                if st.runs.get(&id).is_some_and(|e| e.actor.is_none()) {
+                    st.spawn(&myself, id, Boot::Recover).await;
+                }
+            }
+            SupervisorMsg::Control {
+                id,
+                seq,
+                control,
+                reply,
+            } => {
+                let msg = RunMsg::Control {
+                    seq,
+                    control,
+                    reply: Some(reply),
+                };
+                match st.runs.get_mut(&id) {
+                    Some(Entry {
+                        actor: Some(actor), ..
+                    }) => {
+                        if let Err(ractor::MessagingErr::SendErr(msg)) = actor.send_message(msg) {
+                            // The actor just died; its failure event is on its way.
+                            if let Some(e) = st.runs.get_mut(&id) {
+                                e.pending.push(msg);
+                            }
+                        }
+                    }
+                    Some(entry) => entry.pending.push(msg),
+                    None => {
+                        // Not live here (e.g. waiting since before a daemon restart): adopt it.
+                        st.runs.entry(id.clone()).or_default().pending.push(msg);
+                        st.spawn(&myself, id, Boot::Recover).await;
+                    }
+                }
+            }
+            SupervisorMsg::Count(reply) => {
+                let _ = reply.send(st.runs.len());
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        evt: SupervisionEvent,
+        st: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match evt {
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                if let Some(id) = st.by_actor.remove(&cell.get_id()) {
+                    let still_this_actor = st
+                        .runs
+                        .get(&id)
+                        .and_then(|e| e.actor.as_ref())
+                        .is_some_and(|a| a.get_id() == cell.get_id());
+                    if still_this_actor {
+                        let pending = st.runs.remove(&id).map(|e| e.pending).unwrap_or_default();
+                        if !pending.is_empty() {
+                            tracing::debug!(run = %id, ?reason, n = pending.len(), "run stopped with messages pending");
+                        }
+                    }
+                }
+            }
+            SupervisionEvent::ActorFailed(cell, err) => {
+                if let Some(id) = st.by_actor.remove(&cell.get_id()) {
+                    st.crashed(&myself, id, err.to_string());
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        _st: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Let every run actor run its post_stop (cancel in-flight work) before we are gone.
+        myself
+            .stop_children_and_wait(Some("shutdown".into()), Some(Duration::from_secs(10)))
+            .await;
+        Ok(())
+    }
+}

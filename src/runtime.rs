@@ -1,0 +1,760 @@
+//! The runtime as a library: `Runtime::start` builds the actor tree (run supervisor, model
+//! gateway, tool executor) on a store, recovers the runs that were not finished, and hands out
+//! `RuntimeHandle`, the one public way to start, observe and control runs. The HTTP API and the
+//! tests use nothing else.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use ractor::concurrency::JoinHandle;
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorRef};
+use serde_json::Value;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::agent::{self, Agent, AgentSpec};
+use crate::clock::now_ms;
+use crate::hub::Hub;
+use crate::ids::{CallId, RunId};
+use crate::metrics::Metrics;
+use crate::model::gateway::{GatewayConfig, ModelGateway, ModelLimits};
+use crate::model::{Message, ModelProvider, ToolDefinition};
+use crate::pool::PoolSize;
+use crate::run::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
+use crate::run::machine::InvalidTransition;
+use crate::run::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
+use crate::run::{Budget, Policy, RunState, Status};
+use crate::store::{self, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
+use crate::tool::executor::ToolExecutor;
+use crate::tool::registry::Registry;
+
+/// Tunables of the runtime (the `[runtime]` part of the config).
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Lease owner name; stable across restarts of the same daemon.
+    pub node_id: String,
+    pub gateway: GatewayConfig,
+    pub tool_pool: PoolSize,
+    pub per_tool_rps: HashMap<String, NonZeroU32>,
+    pub model_limits: HashMap<String, ModelLimits>,
+    pub restart: RestartPolicy,
+    pub policy: Policy,
+    pub lease_ttl: Duration,
+    /// How long a control request waits for the run to apply it.
+    pub control_timeout: Duration,
+    /// Non-terminal runs a tenant may have at once.
+    pub max_active_runs_per_tenant: Option<usize>,
+    /// Largest goal (`input`) accepted, in bytes of JSON.
+    pub max_input_bytes: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            node_id: "agentd".into(),
+            gateway: GatewayConfig::default(),
+            tool_pool: PoolSize {
+                workers: 256,
+                queue: 65_536,
+            },
+            per_tool_rps: HashMap::new(),
+            model_limits: HashMap::new(),
+            restart: RestartPolicy::default(),
+            policy: Policy::default(),
+            lease_ttl: Duration::from_secs(30),
+            control_timeout: Duration::from_secs(10),
+            max_active_runs_per_tenant: None,
+            max_input_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// What the runtime runs: the store, tools, model providers and agents.
+pub struct RuntimeParts {
+    pub store: SharedStore,
+    pub registry: Registry,
+    pub models: HashMap<String, Arc<dyn ModelProvider>>,
+    pub agents: Vec<AgentSpec>,
+    pub faults: Option<Arc<dyn FaultInjector>>,
+}
+
+/// Runtime failures, each with a stable code.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    #[error("run not found")]
+    NotFound,
+    #[error("agent `{0}` is not configured")]
+    UnknownAgent(String),
+    #[error("run is {status}: {message}")]
+    InvalidState { status: Status, message: String },
+    #[error("{0}")]
+    UnknownCall(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    InputQueueFull(String),
+    #[error("tenant has {0} active runs, the most allowed")]
+    TooManyActiveRuns(usize),
+    #[error("the store is unavailable: {0}")]
+    Store(store::Error),
+    #[error("the runtime is shutting down")]
+    ShuttingDown,
+    #[error("the run did not reach the awaited state in time")]
+    Timeout,
+}
+
+impl Error {
+    /// Stable snake_case code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::NotFound => "not_found",
+            Error::UnknownAgent(_) => "unknown_agent",
+            Error::InvalidState { .. } => "invalid_state",
+            Error::UnknownCall(_) => "not_found",
+            Error::InvalidArgument(_) => "invalid_argument",
+            Error::InputQueueFull(_) => "input_queue_full",
+            Error::TooManyActiveRuns(_) => "too_many_active_runs",
+            Error::Store(_) => "store_unavailable",
+            Error::ShuttingDown => "shutting_down",
+            Error::Timeout => "timeout",
+        }
+    }
+}
+
+impl From<store::Error> for Error {
+    fn from(e: store::Error) -> Self {
+        match e {
+            store::Error::NotFound(_) => Error::NotFound,
+            other => Error::Store(other),
+        }
+    }
+}
+
+impl From<InvalidTransition> for Error {
+    fn from(e: InvalidTransition) -> Self {
+        match e.code {
+            "unknown_call" => Error::UnknownCall(e.message),
+            "invalid_argument" => Error::InvalidArgument(e.message),
+            "input_queue_full" => Error::InputQueueFull(e.message),
+            _ => Error::InvalidState {
+                status: e.status,
+                message: e.message,
+            },
+        }
+    }
+}
+
+/// Budget fields a client may set on a new run (each capped by nothing but itself).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BudgetRequest {
+    pub max_turns: Option<u32>,
+    pub max_tool_calls: Option<u32>,
+    pub max_tokens: Option<u64>,
+    pub deadline: Option<Duration>,
+}
+
+/// A request to start a run.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub tenant: String,
+    pub agent: String,
+    /// The goal: text or any JSON value.
+    pub input: Value,
+    /// The same key from the same tenant returns the same run.
+    pub client_key: Option<String>,
+    pub budget: BudgetRequest,
+    pub metadata: Value,
+}
+
+/// An agent as listed by `GET /v1/agents`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentInfo {
+    pub name: String,
+    pub model: String,
+    pub tools: Vec<ToolDefinition>,
+}
+
+struct Inner {
+    deps: Arc<RunDeps>,
+    supervisor: ActorRef<SupervisorMsg>,
+    config: RuntimeConfig,
+}
+
+/// A cheap-to-clone handle to a running runtime.
+#[derive(Clone)]
+pub struct RuntimeHandle {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RuntimeHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimeHandle").finish()
+    }
+}
+
+/// The running actor tree.
+pub struct Runtime {
+    handle: RuntimeHandle,
+    joins: Vec<JoinHandle<()>>,
+}
+
+/// Why the runtime could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Agent(#[from] agent::Error),
+    #[error("agent `{agent}` uses model `{model}`, which is not configured")]
+    UnknownModel { agent: String, model: String },
+    #[error("could not start an actor: {0}")]
+    Spawn(#[from] ractor::SpawnErr),
+    #[error("could not read runs to recover: {0}")]
+    Store(#[from] store::Error),
+}
+
+fn is_terminal_kind(kind: &str) -> bool {
+    matches!(kind, "run_succeeded" | "run_failed" | "run_cancelled")
+}
+
+impl Runtime {
+    /// Builds the actor tree and adopts every non-terminal run in the store.
+    pub async fn start(config: RuntimeConfig, parts: RuntimeParts) -> Result<Runtime, StartError> {
+        let registry = Arc::new(parts.registry);
+        let mut agents = HashMap::new();
+        for spec in parts.agents {
+            if !parts.models.contains_key(&spec.model) {
+                return Err(StartError::UnknownModel {
+                    agent: spec.name.clone(),
+                    model: spec.model.clone(),
+                });
+            }
+            let agent = Agent::new(spec, &registry)?;
+            agents.insert(agent.spec.name.clone(), Arc::new(agent));
+        }
+        let (gateway, gateway_join) =
+            ModelGateway::start(config.gateway, parts.models, config.model_limits.clone()).await?;
+        let (tools, tools_join) =
+            ToolExecutor::start(config.tool_pool, config.per_tool_rps.clone()).await?;
+        let metrics = Arc::new(Metrics::default());
+        let deps = Arc::new(RunDeps {
+            store: parts.store,
+            hub: Arc::new(Hub::new()),
+            gateway,
+            tools,
+            agents,
+            policy: config.policy,
+            node_id: config.node_id.clone(),
+            lease_ttl: config.lease_ttl,
+            faults: parts.faults,
+            metrics,
+            active: DashMap::new(),
+        });
+        let (supervisor, sup_join) = Actor::spawn(
+            None,
+            RunSupervisor,
+            SupervisorArgs {
+                deps: deps.clone(),
+                restart: config.restart,
+            },
+        )
+        .await?;
+        let inner = Arc::new(Inner {
+            deps,
+            supervisor,
+            config,
+        });
+        let handle = RuntimeHandle { inner };
+        handle.recover().await?;
+        Ok(Runtime {
+            handle,
+            joins: vec![sup_join, gateway_join, tools_join],
+        })
+    }
+
+    pub fn handle(&self) -> RuntimeHandle {
+        self.handle.clone()
+    }
+
+    /// Stops every run actor (runs stay as checkpointed and continue on the next start), then
+    /// the pools. Bounded by `grace`.
+    pub async fn shutdown(self, grace: Duration) {
+        let inner = &self.handle.inner;
+        let _ = inner
+            .supervisor
+            .stop_and_wait(Some("shutdown".into()), Some(grace))
+            .await;
+        inner.deps.gateway.stop();
+        inner.deps.tools.stop();
+        for j in self.joins {
+            let _ = tokio::time::timeout(grace, j).await;
+        }
+    }
+}
+
+impl RuntimeHandle {
+    async fn recover(&self) -> Result<(), store::Error> {
+        let ids = self.inner.deps.store.active_runs().await?;
+        if !ids.is_empty() {
+            tracing::info!(runs = ids.len(), "recovering runs that were not finished");
+        }
+        for id in ids {
+            if let Some(cp) = self.inner.deps.store.load(&id).await? {
+                self.count_active(&cp.tenant, 1);
+            }
+            let _ = self.inner.supervisor.cast(SupervisorMsg::Start {
+                id,
+                boot: Boot::Recover,
+            });
+        }
+        Ok(())
+    }
+
+    fn count_active(&self, tenant: &str, delta: i64) -> i64 {
+        self.inner
+            .deps
+            .active
+            .entry(tenant.to_owned())
+            .or_insert_with(|| AtomicI64::new(0))
+            .fetch_add(delta, Ordering::SeqCst)
+            + delta
+    }
+
+    /// Starts a run. Returns the run and whether it was created now (`false`: the client key
+    /// was seen before, and this is that run).
+    pub async fn create_run(&self, req: NewRun) -> Result<(RunState, bool), Error> {
+        let inner = &self.inner;
+        let Some(agent) = inner.deps.agents.get(&req.agent) else {
+            return Err(Error::UnknownAgent(req.agent));
+        };
+        let input_text = match &req.input {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if input_text.len() > inner.config.max_input_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "input is {} bytes; the limit is {}",
+                input_text.len(),
+                inner.config.max_input_bytes
+            )));
+        }
+        let limit = inner.config.max_active_runs_per_tenant;
+        let now = now_ms();
+        let d = &agent.spec.budget;
+        let b = &req.budget;
+        let deadline = b.deadline.or(agent.spec.deadline);
+        let budget = Budget {
+            max_turns: b.max_turns.unwrap_or(d.max_turns),
+            max_tool_calls: b.max_tool_calls.unwrap_or(d.max_tool_calls),
+            max_tokens: b.max_tokens.unwrap_or(d.max_tokens),
+            deadline_ms: deadline.map(|d| now + d.as_millis() as u64),
+        };
+        let mut run = RunState::new(
+            RunId::generate(),
+            req.tenant.clone(),
+            req.agent.clone(),
+            req.input.clone(),
+            budget,
+            now,
+        );
+        run.metadata = req.metadata;
+        run.messages.push(Message::User {
+            content: input_text,
+        });
+        let checkpoint = checkpoint_of(&run).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let created = EventRecord {
+            seq: 1,
+            at_ms: now,
+            kind: "run_created".into(),
+            data: serde_json::json!({
+                "agent": run.agent, "input": run.input, "budget": run.budget, "status": "created", "phase": null,
+            }),
+        };
+        if let Some(limit) = limit {
+            let n = self.count_active(&req.tenant, 1);
+            if n > limit as i64 {
+                self.count_active(&req.tenant, -1);
+                return Err(Error::TooManyActiveRuns(limit));
+            }
+        } else {
+            self.count_active(&req.tenant, 1);
+        }
+        let outcome = inner
+            .deps
+            .store
+            .create(
+                &checkpoint,
+                std::slice::from_ref(&created),
+                req.client_key.as_deref(),
+            )
+            .await;
+        match outcome {
+            Ok(CreateOutcome::Created) => {
+                inner.deps.metrics.entered(Status::Created);
+                inner
+                    .supervisor
+                    .cast(SupervisorMsg::Start {
+                        id: run.id.clone(),
+                        boot: Boot::Start,
+                    })
+                    .map_err(|_| Error::ShuttingDown)?;
+                Ok((run, true))
+            }
+            Ok(CreateOutcome::Existing(id)) => {
+                self.count_active(&req.tenant, -1);
+                Ok((self.get_run(&req.tenant, &id).await?, false))
+            }
+            Err(e) => {
+                self.count_active(&req.tenant, -1);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The run as last committed, if it belongs to `tenant`.
+    pub async fn get_run(&self, tenant: &str, id: &RunId) -> Result<RunState, Error> {
+        let cp = self
+            .inner
+            .deps
+            .store
+            .load(id)
+            .await?
+            .filter(|cp| cp.tenant == tenant)
+            .ok_or(Error::NotFound)?;
+        state_of(&cp).map_err(|e| Error::Store(store::Error::Corrupt(e.to_string())))
+    }
+
+    /// The tenant's runs, newest first.
+    pub async fn list_runs(
+        &self,
+        tenant: &str,
+        filter: &RunFilter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<RunState>, Option<String>), Error> {
+        let page = self
+            .inner
+            .deps
+            .store
+            .list_runs(tenant, filter, cursor, limit)
+            .await?;
+        let runs = page
+            .items
+            .iter()
+            .map(state_of)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Error::Store(store::Error::Corrupt(e.to_string())))?;
+        Ok((runs, page.next_cursor))
+    }
+
+    /// Stored events with seq > `after`.
+    pub async fn events(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<EventRecord>, Error> {
+        self.get_run(tenant, id).await?;
+        Ok(self.inner.deps.store.read(id, after, limit).await?)
+    }
+
+    /// Every event with seq > `after`, stored then live, each exactly once and in order; the
+    /// stream ends after the terminal event (or when the receiver is dropped).
+    pub async fn follow(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        after: u64,
+    ) -> Result<ReceiverStream<Result<EventRecord, Error>>, Error> {
+        self.get_run(tenant, id).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let deps = self.inner.deps.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            // Subscribe before reading the store, so nothing falls between the two.
+            let mut live = deps.hub.subscribe(&id);
+            let mut last = after;
+            loop {
+                // Catch up from the store.
+                loop {
+                    let batch = match deps.store.read(&id, last, 256).await {
+                        Ok(b) => b,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into())).await;
+                            return;
+                        }
+                    };
+                    let n = batch.len();
+                    for e in batch {
+                        last = e.seq;
+                        let end = is_terminal_kind(&e.kind);
+                        if tx.send(Ok(e)).await.is_err() || end {
+                            return;
+                        }
+                    }
+                    if n < 256 {
+                        break;
+                    }
+                }
+                // Then live, until a gap or a lag sends us back to the store.
+                loop {
+                    let next = tokio::time::timeout(Duration::from_secs(15), live.recv()).await;
+                    match next {
+                        Ok(Ok(e)) if e.seq <= last => continue,
+                        Ok(Ok(e)) if e.seq == last + 1 => {
+                            last = e.seq;
+                            let end = is_terminal_kind(&e.kind);
+                            if tx.send(Ok(e)).await.is_err() || end {
+                                return;
+                            }
+                        }
+                        Ok(Ok(_)) | Ok(Err(broadcast::error::RecvError::Lagged(_))) => break,
+                        Ok(Err(broadcast::error::RecvError::Closed)) => {
+                            // The run ended (or the hub dropped us): finish from the store.
+                            live = deps.hub.subscribe(&id);
+                            break;
+                        }
+                        Err(_) => {
+                            // Quiet for a while: check the store (and the client) again.
+                            if tx.is_closed() {
+                                return;
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(ReceiverStream::new(rx))
+    }
+
+    /// Waits until the run satisfies `done` (checked after every event), or `timeout`.
+    pub async fn wait_until(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        timeout: Duration,
+        done: impl Fn(&RunState) -> bool,
+    ) -> Result<RunState, Error> {
+        use futures::StreamExt;
+        let run = self.get_run(tenant, id).await?;
+        if done(&run) {
+            return Ok(run);
+        }
+        let mut events = self.follow(tenant, id, run.version).await?;
+        let waited = tokio::time::timeout(timeout, async {
+            while let Some(e) = events.next().await {
+                e?;
+                let run = self.get_run(tenant, id).await?;
+                if done(&run) {
+                    return Ok(run);
+                }
+            }
+            let run = self.get_run(tenant, id).await?;
+            if done(&run) {
+                Ok(run)
+            } else {
+                Err(Error::Timeout)
+            }
+        })
+        .await;
+        waited.unwrap_or(Err(Error::Timeout))
+    }
+
+    /// Waits for a terminal status.
+    pub async fn wait_terminal(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        timeout: Duration,
+    ) -> Result<RunState, Error> {
+        self.wait_until(tenant, id, timeout, RunState::is_terminal)
+            .await
+    }
+
+    async fn control(&self, tenant: &str, id: &RunId, control: Control) -> Result<RunState, Error> {
+        let inner = &self.inner;
+        let seq = inner.deps.store.push_control(id, &control).await?;
+        let sent = inner
+            .supervisor
+            .call(
+                |reply| SupervisorMsg::Control {
+                    id: id.clone(),
+                    seq,
+                    control,
+                    reply,
+                },
+                Some(inner.config.control_timeout),
+            )
+            .await;
+        match sent {
+            Ok(CallResult::Success(Ok(run))) => Ok(run),
+            Ok(CallResult::Success(Err(e))) => Err(e.into()),
+            // Stored durably: it will be applied; answer with what is committed now.
+            Ok(CallResult::Timeout) | Ok(CallResult::SenderError) => self.get_run(tenant, id).await,
+            Err(_) => Err(Error::ShuttingDown),
+        }
+    }
+
+    /// Cancels a run. Cancelling a cancelled run answers the same; any other end is a conflict.
+    pub async fn cancel(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        reason: Option<String>,
+    ) -> Result<RunState, Error> {
+        let run = self.get_run(tenant, id).await?;
+        match run.status {
+            Status::Cancelled => return Ok(run),
+            s if s.is_terminal() => {
+                return Err(Error::InvalidState {
+                    status: s,
+                    message: "the run has already ended".into(),
+                });
+            }
+            _ => {}
+        }
+        self.control(tenant, id, Control::Cancel { reason }).await
+    }
+
+    /// Approves (optionally with edited arguments) or rejects one pending call, once. Repeating
+    /// the same decision answers the same; the opposite decision is a conflict.
+    pub async fn decide(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        call_id: &CallId,
+        approve: bool,
+        arguments: Option<Value>,
+        reason: Option<String>,
+    ) -> Result<RunState, Error> {
+        let run = self.get_run(tenant, id).await?;
+        if let Some((_, approved)) = run.decided.iter().find(|(c, _)| c == call_id) {
+            return if *approved == approve {
+                Ok(run)
+            } else {
+                Err(Error::InvalidState {
+                    status: run.status,
+                    message: format!(
+                        "call {call_id} was already {}",
+                        if *approved { "approved" } else { "rejected" }
+                    ),
+                })
+            };
+        }
+        if run.is_terminal() {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: "the run has already ended".into(),
+            });
+        }
+        let Some(call) = run.call(call_id) else {
+            return Err(Error::UnknownCall(format!("no call {call_id} in this run")));
+        };
+        if !matches!(
+            call.status,
+            crate::run::CallStatus::AwaitingApproval | crate::run::CallStatus::OutcomeUnknown
+        ) {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: format!("call {call_id} is not awaiting approval"),
+            });
+        }
+        let control = if approve {
+            Control::Approve {
+                call_id: call_id.clone(),
+                arguments,
+            }
+        } else {
+            Control::Reject {
+                call_id: call_id.clone(),
+                reason,
+            }
+        };
+        self.control(tenant, id, control).await
+    }
+
+    /// Answers a run waiting for input, or queues the text for a running run's next turn.
+    pub async fn input(&self, tenant: &str, id: &RunId, text: String) -> Result<RunState, Error> {
+        let run = self.get_run(tenant, id).await?;
+        if run.is_terminal() {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: "the run has already ended".into(),
+            });
+        }
+        self.control(tenant, id, Control::Input { text }).await
+    }
+
+    /// The configured agents.
+    pub fn agents(&self) -> Vec<AgentInfo> {
+        let mut list: Vec<AgentInfo> = self
+            .inner
+            .deps
+            .agents
+            .values()
+            .map(|a| AgentInfo {
+                name: a.spec.name.clone(),
+                model: a.spec.model.clone(),
+                tools: a.definitions.clone(),
+            })
+            .collect();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        list
+    }
+
+    /// Whether the store answers.
+    pub async fn ready(&self) -> Result<(), Error> {
+        Ok(self.inner.deps.store.ping().await?)
+    }
+
+    /// Runs with a live (or restarting) actor.
+    pub async fn live_runs(&self) -> usize {
+        match self
+            .inner
+            .supervisor
+            .call(SupervisorMsg::Count, Some(Duration::from_secs(5)))
+            .await
+        {
+            Ok(CallResult::Success(n)) => n,
+            _ => 0,
+        }
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.deps.metrics
+    }
+
+    /// Prometheus text of the runtime and its pools.
+    pub fn render_metrics(&self) -> String {
+        use std::fmt::Write as _;
+        let deps = &self.inner.deps;
+        let mut out = String::new();
+        deps.metrics.render(&mut out);
+        for (name, stats) in [
+            ("model", deps.gateway.pool().stats()),
+            ("tool", deps.tools.pool().stats()),
+        ] {
+            let _ = writeln!(
+                out,
+                "agentd_pool_queue_depth{{pool=\"{name}\"}} {}\nagentd_pool_in_flight{{pool=\"{name}\"}} {}\nagentd_pool_shed_total{{pool=\"{name}\"}} {}",
+                stats.queue_depth(),
+                stats.in_flight(),
+                stats.shed.load(Ordering::Relaxed)
+            );
+        }
+        let g = deps.gateway.stats();
+        let _ = writeln!(
+            out,
+            "agentd_model_attempts_total {}\nagentd_model_retries_total {}\nagentd_model_rate_limit_wait_seconds_total {}",
+            g.attempts.load(Ordering::Relaxed),
+            g.retries.load(Ordering::Relaxed),
+            g.rate_limit_wait_us.load(Ordering::Relaxed) as f64 / 1e6
+        );
+        out
+    }
+}

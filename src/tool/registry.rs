@@ -1,0 +1,187 @@
+//! The one registry of tools: each tool with its compiled argument validator, and the per-agent
+//! view (`AgentTools`) that the pure run machine consults for allow-lists, schemas and approval.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::{ApprovalRule, Tool, ToolSpec};
+use crate::model::ToolDefinition;
+use crate::run::decision::ASK_USER_TOOL;
+use crate::run::machine::{ArgumentError, ToolCatalog, ToolInfo, ToolLookup};
+
+/// A tool and its compiled schema.
+pub struct RegisteredTool {
+    pub tool: Arc<dyn Tool>,
+    validator: jsonschema::Validator,
+}
+
+impl std::fmt::Debug for RegisteredTool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredTool")
+            .field("name", &self.tool.spec().name)
+            .finish()
+    }
+}
+
+/// Why a tool could not be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("tool name `{0}` must match ^[a-zA-Z0-9_-]{{1,64}}$")]
+    BadName(String),
+    #[error("tool `{0}` is registered twice")]
+    Duplicate(String),
+    #[error("tool name `{0}` is reserved")]
+    Reserved(String),
+    #[error("tool `{name}`: invalid parameters schema: {message}")]
+    BadSchema { name: String, message: String },
+}
+
+/// Every tool the daemon knows, by name.
+#[derive(Debug, Default)]
+pub struct Registry {
+    tools: HashMap<String, RegisteredTool>,
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a tool after checking its name and compiling its schema.
+    pub fn register(&mut self, tool: Arc<dyn Tool>) -> Result<(), Error> {
+        let spec = tool.spec();
+        let name = spec.name.clone();
+        if !valid_name(&name) {
+            return Err(Error::BadName(name));
+        }
+        if name == ASK_USER_TOOL {
+            return Err(Error::Reserved(name));
+        }
+        if self.tools.contains_key(&name) {
+            return Err(Error::Duplicate(name));
+        }
+        let validator = jsonschema::draft202012::options()
+            .should_validate_formats(true)
+            .build(&spec.parameters)
+            .map_err(|e| Error::BadSchema {
+                name: name.clone(),
+                message: e.to_string(),
+            })?;
+        self.tools.insert(name, RegisteredTool { tool, validator });
+        Ok(())
+    }
+
+    pub fn get(&self, name: &str) -> Option<&RegisteredTool> {
+        self.tools.get(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tools.keys().map(String::as_str)
+    }
+
+    /// Checks `arguments` against the tool's schema; the first error with its JSON pointer.
+    pub fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError> {
+        let Some(t) = self.tools.get(name) else {
+            return Err(ArgumentError {
+                path: String::new(),
+                message: format!("unknown tool `{name}`"),
+            });
+        };
+        t.validator.validate(arguments).map_err(|e| ArgumentError {
+            path: e.instance_path().to_string(),
+            message: e.to_string(),
+        })
+    }
+}
+
+/// The definition of the reserved `ask_user` pseudo-tool offered to every agent.
+pub fn ask_user_definition() -> ToolDefinition {
+    ToolDefinition {
+        name: ASK_USER_TOOL.to_owned(),
+        description: "Ask the user a question and wait for the answer. Must be the only tool call of its reply.".to_owned(),
+        parameters: serde_json::json!({
+            "type": "object",
+            "properties": {"question": {"type": "string", "minLength": 1}},
+            "required": ["question"],
+            "additionalProperties": false
+        }),
+    }
+}
+
+/// One agent's view of the registry: only its allow-listed tools are usable.
+#[derive(Debug, Clone)]
+pub struct AgentTools {
+    registry: Arc<Registry>,
+    allowed: Arc<[String]>,
+}
+
+impl AgentTools {
+    pub fn new(registry: Arc<Registry>, allowed: Arc<[String]>) -> Self {
+        AgentTools { registry, allowed }
+    }
+
+    fn allowed_spec(&self, name: &str) -> Option<&ToolSpec> {
+        if !self.allowed.iter().any(|a| a == name) {
+            return None;
+        }
+        self.registry.get(name).map(|t| t.tool.spec())
+    }
+
+    /// The tool definitions offered to the model (allow-listed tools plus `ask_user`).
+    pub fn definitions(&self) -> Vec<ToolDefinition> {
+        let mut defs: Vec<ToolDefinition> = self
+            .allowed
+            .iter()
+            .filter_map(|n| self.registry.get(n))
+            .map(|t| {
+                let s = t.tool.spec();
+                ToolDefinition {
+                    name: s.name.clone(),
+                    description: s.description.clone(),
+                    parameters: s.parameters.clone(),
+                }
+            })
+            .collect();
+        defs.push(ask_user_definition());
+        defs
+    }
+
+    /// The tool behind an allow-listed name.
+    pub fn tool(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        self.allowed_spec(name)?;
+        self.registry.get(name).map(|t| t.tool.clone())
+    }
+}
+
+impl ToolCatalog for AgentTools {
+    fn lookup(&self, name: &str) -> ToolLookup {
+        match self.allowed_spec(name) {
+            Some(s) => ToolLookup::Allowed(ToolInfo {
+                effect: s.effect,
+                polling: s.polling,
+                reconcilable: s.reconcilable,
+            }),
+            None if self.registry.get(name).is_some() => ToolLookup::NotAllowed,
+            None => ToolLookup::Unknown,
+        }
+    }
+
+    fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError> {
+        self.registry.validate(name, arguments)
+    }
+
+    fn needs_approval(&self, name: &str, _arguments: &Value) -> bool {
+        self.allowed_spec(name)
+            .is_some_and(|s| !matches!(s.approval, ApprovalRule::Never))
+    }
+}
