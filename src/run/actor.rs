@@ -107,7 +107,14 @@ struct Live {
     deadline_timer: Option<tokio::task::AbortHandle>,
     turn_started: Option<Instant>,
     store_failures: u32,
+    /// Tool jobs sent and not yet answered. A finished run waits for them (bounded), so their
+    /// late results are recorded as ignored instead of vanishing.
+    tools_in_flight: u32,
+    finishing: bool,
 }
+
+/// How long a finished run waits for tool results still in flight.
+const LATE_RESULT_GRACE: Duration = Duration::from_secs(60);
 
 /// Why a run actor stopped itself or failed.
 #[derive(Debug, thiserror::Error)]
@@ -256,7 +263,17 @@ impl Actor for RunActor {
         };
         match msg {
             RunMsg::Event(event) => {
+                let tool_reply = matches!(
+                    event,
+                    RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }
+                );
+                if tool_reply {
+                    live.tools_in_flight = live.tools_in_flight.saturating_sub(1);
+                }
                 apply_or_retry(&myself, &deps, live, event, None).await;
+                if live.finishing && live.tools_in_flight == 0 {
+                    myself.stop(Some("finished".into()));
+                }
             }
             RunMsg::Control {
                 seq,
@@ -282,7 +299,16 @@ impl Actor for RunActor {
             if let Some(t) = live.deadline_timer {
                 t.abort();
             }
-            if !live.run.is_terminal() {
+            if live.run.is_terminal() {
+                // Late results have been recorded (or waited for long enough): let go.
+                let store = st.deps.store.clone();
+                let lease = live.lease;
+                tokio::spawn(async move {
+                    if let Err(e) = store.release(&lease).await {
+                        tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
+                    }
+                });
+            } else {
                 st.deps.metrics.live_runs.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -311,6 +337,8 @@ impl Live {
             deadline_timer: None,
             turn_started: None,
             store_failures: 0,
+            tools_in_flight: 0,
+            finishing: false,
         }
     }
 }
@@ -540,6 +568,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             };
             let metrics = deps.metrics.clone();
             let sent = Instant::now();
+            live.tools_in_flight += 1;
             deps.tools.submit(tool, ctx, work, move |outcome| {
                 metrics.tool_latency.observe(sent.elapsed());
                 let event = match outcome {
@@ -586,14 +615,12 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             if let Some(n) = deps.active.get(&live.run.tenant) {
                 n.fetch_sub(1, Ordering::SeqCst);
             }
-            let store = deps.store.clone();
-            let lease = live.lease.clone();
-            tokio::spawn(async move {
-                if let Err(e) = store.release(&lease).await {
-                    tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
-                }
-            });
-            myself.stop(Some("finished".into()));
+            if live.tools_in_flight == 0 {
+                myself.stop(Some("finished".into()));
+            } else {
+                live.finishing = true;
+                myself.exit_after(LATE_RESULT_GRACE);
+            }
         }
     }
 }
