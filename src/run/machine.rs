@@ -1295,3 +1295,6 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

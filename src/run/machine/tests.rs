@@ -1,0 +1,939 @@
+//! One test per row of the transition table, the invalid pairs, and property tests over random
+//! event sequences.
+
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::ids::RunId;
+use crate::model::{ModelErrorKind, ModelToolCall, TokenUsage};
+use crate::run::budget::Budget;
+
+/// Tools: `echo` (read), `idem` (idempotent), `unsafe_tool`, `recon` (unsafe, reconcilable),
+/// `gate` (needs approval), `poll` (polling), `hidden` (registered, not allowed).
+struct Catalog;
+
+impl ToolCatalog for Catalog {
+    fn lookup(&self, name: &str) -> ToolLookup {
+        let info = |effect, polling, reconcilable| {
+            ToolLookup::Allowed(ToolInfo {
+                effect,
+                polling,
+                reconcilable,
+            })
+        };
+        match name {
+            "echo" | "gate" => info(ToolEffect::Read, false, false),
+            "poll" => info(ToolEffect::Read, true, false),
+            "idem" => info(ToolEffect::Idempotent, false, false),
+            "unsafe_tool" => info(ToolEffect::Unsafe, false, false),
+            "recon" => info(ToolEffect::Unsafe, false, true),
+            "hidden" => ToolLookup::NotAllowed,
+            _ => ToolLookup::Unknown,
+        }
+    }
+
+    fn validate(&self, _name: &str, arguments: &Value) -> Result<(), ArgumentError> {
+        match arguments.get("text") {
+            Some(v) if !v.is_string() => Err(ArgumentError {
+                path: "/text".into(),
+                message: "not a string".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn needs_approval(&self, name: &str, _arguments: &Value) -> bool {
+        name == "gate"
+    }
+}
+
+const POLICY: Policy = Policy {
+    max_corrections: 2,
+    max_model_retries: 2,
+    max_verify_rejections: 1,
+    max_tool_retries: 1,
+    retry_base_ms: 10,
+    retry_max_ms: 100,
+    max_queued_input: 2,
+    progress: ProgressPolicy {
+        repeat_limit: 3,
+        failure_limit: 3,
+        stale_turn_limit: 0,
+    },
+};
+
+fn cx(now_ms: u64) -> StepContext<'static> {
+    StepContext {
+        now_ms,
+        policy: &POLICY,
+        tools: &Catalog,
+    }
+}
+
+fn new_run() -> RunState {
+    let id: RunId = "run_00000000000000000000000000000001".parse().unwrap();
+    let mut r = RunState::new(
+        id,
+        "t".into(),
+        "a".into(),
+        json!("goal"),
+        Budget::default(),
+        0,
+    );
+    r.budget.deadline_ms = Some(1_000_000);
+    r
+}
+
+fn go(s: &mut RunState, e: RunEvent) -> Transition {
+    step(s, e, &cx(10)).unwrap()
+}
+
+fn running() -> RunState {
+    let mut s = new_run();
+    go(&mut s, RunEvent::Start);
+    s
+}
+
+fn reply_calls(calls: &[(&str, &str)]) -> ModelReply {
+    ModelReply {
+        text: None,
+        tool_calls: calls
+            .iter()
+            .enumerate()
+            .map(|(i, (n, a))| ModelToolCall {
+                id: format!("m{i}"),
+                name: (*n).into(),
+                arguments: (*a).into(),
+            })
+            .collect(),
+        usage: TokenUsage {
+            input_tokens: 10,
+            output_tokens: 5,
+        },
+    }
+}
+
+fn reply_text(t: &str) -> ModelReply {
+    ModelReply {
+        text: Some(t.into()),
+        ..Default::default()
+    }
+}
+
+fn replied(s: &mut RunState, r: ModelReply) -> Transition {
+    let epoch = s.epoch;
+    go(s, RunEvent::ModelReplied { epoch, reply: r })
+}
+
+fn finish_tool(s: &mut RunState, call: &str, result: ToolResult) -> Transition {
+    let epoch = s.epoch;
+    go(
+        s,
+        RunEvent::ToolFinished {
+            epoch,
+            call_id: call.parse().unwrap(),
+            result,
+        },
+    )
+}
+
+fn ok() -> ToolResult {
+    ToolResult::success(json!({"fine": true}))
+}
+
+fn err(code: ToolErrorCode) -> ToolResult {
+    ToolResult::failure(ToolError::new(code, "x"))
+}
+
+fn where_(s: &RunState) -> (Status, Option<Phase>) {
+    (s.status, s.phase)
+}
+
+fn has_call_model(t: &Transition, choice: ToolChoice) -> bool {
+    t.effects
+        .iter()
+        .any(|e| matches!(e, Effect::CallModel { tool_choice, .. } if *tool_choice == choice))
+}
+
+fn terminal_effects(t: &Transition) -> bool {
+    t.effects.contains(&Effect::AbortInFlight) && t.effects.contains(&Effect::Finish)
+}
+
+// ---- created ----
+
+#[test]
+fn created_start_calls_the_model() {
+    let mut s = new_run();
+    let t = go(&mut s, RunEvent::Start);
+    assert_eq!(t.kind, "run_started");
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::AwaitingModel)));
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    assert_eq!((s.usage.turns, s.turn, s.version), (1, 1, 2));
+    assert_eq!(t.data["status"], json!("running"));
+}
+
+#[test]
+fn created_resume_calls_the_model() {
+    let mut s = new_run();
+    let t = go(&mut s, RunEvent::Resume);
+    assert_eq!(t.kind, "run_resumed");
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    assert_eq!(s.restarts, 1);
+}
+
+#[test]
+fn input_is_queued_while_busy_and_delivered_at_the_next_turn() {
+    let mut s = new_run();
+    assert_eq!(
+        go(
+            &mut s,
+            RunEvent::Input {
+                text: "early".into()
+            }
+        )
+        .kind,
+        "input_queued"
+    );
+    go(&mut s, RunEvent::Start);
+    assert!(matches!(s.messages.last(), Some(Message::User { content }) if content == "early"));
+    assert_eq!(
+        go(&mut s, RunEvent::Input { text: "a".into() }).kind,
+        "input_queued"
+    );
+    go(&mut s, RunEvent::Input { text: "b".into() });
+    let full = step(&mut s, RunEvent::Input { text: "c".into() }, &cx(10)).unwrap_err();
+    assert_eq!(full.code, "input_queue_full");
+}
+
+// ---- awaiting_model ----
+
+#[test]
+fn final_reply_goes_to_verifying() {
+    let mut s = running();
+    let t = replied(&mut s, reply_text(r#"{"answer": 1}"#));
+    assert_eq!(t.kind, "model_replied");
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::Verifying)));
+    assert!(
+        matches!(&t.effects[..], [Effect::Verify { candidate, .. }] if candidate == &json!({"answer": 1}))
+    );
+}
+
+#[test]
+fn tool_calls_are_validated_and_dispatched_with_intents() {
+    let mut s = running();
+    let t = replied(
+        &mut s,
+        reply_calls(&[("echo", r#"{"text":"a"}"#), ("idem", "{}")]),
+    );
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::ExecutingTools)));
+    assert_eq!(t.effects.len(), 2);
+    assert_eq!(t.data["dispatched"].as_array().unwrap().len(), 2);
+    assert!(
+        s.calls
+            .iter()
+            .all(|c| c.status == CallStatus::Dispatched && c.key.starts_with("idk_"))
+    );
+    assert_eq!(s.usage.tool_calls, 2);
+    assert_eq!((s.usage.input_tokens, s.usage.output_tokens), (10, 5));
+}
+
+#[test]
+fn text_with_tool_calls_is_a_tool_call_decision() {
+    let mut s = running();
+    let mut r = reply_calls(&[("echo", r#"{"text":"a"}"#)]);
+    r.text = Some("let me look".into());
+    replied(&mut s, r);
+    assert_eq!(s.phase, Some(Phase::ExecutingTools));
+    assert!(s.candidate.is_none());
+}
+
+#[test]
+fn a_call_needing_approval_parks_the_batch() {
+    let mut s = running();
+    let t = replied(
+        &mut s,
+        reply_calls(&[("gate", "{}"), ("echo", r#"{"text":"a"}"#)]),
+    );
+    assert_eq!(where_(&s), (Status::WaitingApproval, None));
+    assert!(
+        t.effects.is_empty(),
+        "nothing runs until every approval is decided"
+    );
+    assert_eq!(s.pending_approvals().count(), 1);
+}
+
+#[test]
+fn ask_user_waits_for_input() {
+    let mut s = running();
+    let t = replied(
+        &mut s,
+        reply_calls(&[("ask_user", r#"{"question":"which?"}"#)]),
+    );
+    assert_eq!(t.kind, "input_requested");
+    assert_eq!(where_(&s), (Status::WaitingInput, None));
+    let t = go(
+        &mut s,
+        RunEvent::Input {
+            text: "this".into(),
+        },
+    );
+    assert_eq!(t.kind, "input_received");
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    assert!(matches!(s.messages.last(), Some(Message::Tool { call_id, .. }) if call_id == "m0"));
+}
+
+#[test]
+fn malformed_replies_are_corrected_then_fail() {
+    let mut s = running();
+    for (i, r) in [
+        reply_text(""),
+        reply_calls(&[("nope", "{}")]),
+        reply_calls(&[("echo", "{not json")]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let t = replied(&mut s, r);
+        if i < 2 {
+            assert!(has_call_model(&t, ToolChoice::Auto), "correction {i}");
+        } else {
+            assert_eq!(t.kind, "run_failed");
+            assert_eq!(t.data["cause"], json!("model_replied"));
+            assert_eq!(s.error.as_ref().unwrap().code, "invalid_model_output");
+        }
+    }
+}
+
+#[test]
+fn unknown_and_disallowed_tools_and_bad_arguments_get_structured_errors() {
+    let mut s = running();
+    replied(
+        &mut s,
+        reply_calls(&[
+            ("nope", "{}"),
+            ("hidden", "{}"),
+            ("echo", r#"{"text":5}"#),
+            ("echo", "[1]"),
+        ]),
+    );
+    // Nothing valid: the batch is answered at once and the next turn starts.
+    assert_eq!(s.phase, Some(Phase::AwaitingModel));
+    let codes: Vec<String> = s
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            Message::Tool { content, .. } => {
+                let v: Value = serde_json::from_str(content).unwrap();
+                Some(format!(
+                    "{}:{}",
+                    v["error"]["code"].as_str().unwrap(),
+                    v["error"]["message"].as_str().unwrap()
+                ))
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(codes[0].starts_with("tool_not_allowed:unknown tool"));
+    assert!(codes[1].starts_with("tool_not_allowed:tool `hidden` is not allowed"));
+    assert!(codes[2].starts_with("invalid_argument:at `/text`"));
+    assert!(codes[3].starts_with("invalid_argument:arguments must be a JSON object"));
+    assert_eq!(s.usage.tool_calls, 0);
+}
+
+#[test]
+fn overloaded_model_is_retried_then_fails() {
+    let mut s = running();
+    for attempt in 1..=3 {
+        let epoch = s.epoch;
+        let t = go(
+            &mut s,
+            RunEvent::ModelFailed {
+                epoch,
+                error: ModelError::new(ModelErrorKind::Overloaded, "full"),
+            },
+        );
+        if attempt <= 2 {
+            assert!(matches!(t.effects[..], [Effect::ScheduleRetry { .. }]));
+            let t = go(&mut s, RunEvent::RetryDue { epoch });
+            assert_eq!(t.kind, "model_retry");
+            assert!(has_call_model(&t, ToolChoice::Auto));
+            assert_eq!(s.usage.turns, 1, "a retry is not a new turn");
+        } else {
+            assert!(terminal_effects(&t));
+            assert_eq!(s.error.as_ref().unwrap().code, "model_unavailable");
+        }
+    }
+}
+
+#[test]
+fn provider_failures_after_the_gateway_are_final() {
+    for (kind, code) in [
+        (ModelErrorKind::Unavailable, "model_unavailable"),
+        (ModelErrorKind::RateLimited, "model_unavailable"),
+        (ModelErrorKind::Rejected, "model_rejected"),
+    ] {
+        let mut s = running();
+        let epoch = s.epoch;
+        let t = go(
+            &mut s,
+            RunEvent::ModelFailed {
+                epoch,
+                error: ModelError::new(kind, "x"),
+            },
+        );
+        assert_eq!(t.kind, "run_failed");
+        assert_eq!(s.error.as_ref().unwrap().code, code);
+    }
+}
+
+// ---- executing_tools and reconciling ----
+
+#[test]
+fn finished_batch_starts_the_next_turn() {
+    let mut s = running();
+    replied(
+        &mut s,
+        reply_calls(&[("echo", r#"{"text":"a"}"#), ("echo", r#"{"text":"b"}"#)]),
+    );
+    let t = finish_tool(&mut s, "call_1_1", ok());
+    assert_eq!(t.kind, "tool_call_finished");
+    assert!(t.effects.is_empty(), "still waiting for call_1_0");
+    let t = finish_tool(&mut s, "call_1_0", ok());
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    // Results are appended in call order, each answering its model call id.
+    let ids: Vec<&str> = s
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            Message::Tool { call_id, .. } => Some(call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids, ["m0", "m1"]);
+    assert_eq!(s.succeeded_tools, ["echo"]);
+}
+
+#[test]
+fn unknown_outcomes_follow_the_tool_policy() {
+    // idempotent: resent with the same key, within the retry bound
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("idem", "{}")]));
+    let key = s.calls[0].key.clone();
+    let t = finish_tool(&mut s, "call_1_0", err(ToolErrorCode::Timeout));
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    assert_eq!((s.calls[0].key.clone(), s.calls[0].attempts), (key, 2));
+    assert_eq!(s.usage.tool_calls, 1, "a resend is not a new call");
+    let t = finish_tool(&mut s, "call_1_0", err(ToolErrorCode::OutcomeUnknown));
+    assert!(
+        has_call_model(&t, ToolChoice::Auto),
+        "retries exhausted: the model is told"
+    );
+
+    // unsafe with a status check: reconcile
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("recon", "{}")]));
+    let t = finish_tool(&mut s, "call_1_0", err(ToolErrorCode::OutcomeUnknown));
+    assert!(matches!(&t.effects[..], [Effect::CheckStatus { .. }]));
+    assert_eq!(s.phase, Some(Phase::Reconciling));
+
+    // unsafe without: an operator decides
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("unsafe_tool", "{}")]));
+    finish_tool(&mut s, "call_1_0", err(ToolErrorCode::Timeout));
+    assert_eq!(where_(&s), (Status::WaitingApproval, None));
+    assert_eq!(s.calls[0].status, CallStatus::OutcomeUnknown);
+
+    // read: the error goes to the model
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("echo", r#"{"text":"a"}"#)]));
+    let t = finish_tool(&mut s, "call_1_0", err(ToolErrorCode::Timeout));
+    assert!(has_call_model(&t, ToolChoice::Auto));
+}
+
+#[test]
+fn overloaded_tool_calls_are_rescheduled() {
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("idem", "{}")]));
+    let t = finish_tool(&mut s, "call_1_0", err(ToolErrorCode::Overloaded));
+    assert!(matches!(t.effects[..], [Effect::ScheduleRetry { .. }]));
+    let epoch = s.epoch;
+    let t = go(&mut s, RunEvent::RetryDue { epoch });
+    assert_eq!(t.kind, "tool_retry");
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+}
+
+#[test]
+fn status_checks_resolve_reconciliation() {
+    for (outcome, expect) in [
+        (Ok(Some(ok())), "ran"),
+        (Ok(None), "never_ran"),
+        (Err(ToolError::new(ToolErrorCode::Failed, "x")), "unknown"),
+    ] {
+        let mut s = running();
+        replied(&mut s, reply_calls(&[("recon", "{}")]));
+        finish_tool(&mut s, "call_1_0", err(ToolErrorCode::OutcomeUnknown));
+        let epoch = s.epoch;
+        let t = go(
+            &mut s,
+            RunEvent::StatusChecked {
+                epoch,
+                call_id: "call_1_0".parse().unwrap(),
+                outcome,
+            },
+        );
+        assert_eq!(t.kind, "call_reconciled");
+        assert_eq!(t.data["found"], json!(expect));
+        match expect {
+            "ran" => assert!(has_call_model(&t, ToolChoice::Auto)),
+            "never_ran" => assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }])),
+            _ => assert_eq!(s.status, Status::WaitingApproval),
+        }
+    }
+}
+
+// ---- verifying ----
+
+#[test]
+fn verification_accepts_rejects_and_gives_up() {
+    let mut s = running();
+    replied(&mut s, reply_text("x"));
+    let epoch = s.epoch;
+    let t = go(
+        &mut s,
+        RunEvent::VerificationDone {
+            epoch,
+            verdict: Err("too short".into()),
+        },
+    );
+    assert_eq!(t.kind, "verification_rejected");
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    replied(&mut s, reply_text("longer"));
+    let epoch = s.epoch;
+    let t = go(
+        &mut s,
+        RunEvent::VerificationDone {
+            epoch,
+            verdict: Err("still".into()),
+        },
+    );
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(s.error.as_ref().unwrap().code, "verification_failed");
+
+    let mut s = running();
+    replied(&mut s, reply_text("fine"));
+    let epoch = s.epoch;
+    let t = go(
+        &mut s,
+        RunEvent::VerificationDone {
+            epoch,
+            verdict: Ok(()),
+        },
+    );
+    assert_eq!(t.kind, "run_succeeded");
+    assert_eq!(t.effects, [Effect::Finish]);
+    assert_eq!(s.output, Some(json!("fine")));
+}
+
+// ---- waiting_approval ----
+
+#[test]
+fn approve_dispatches_and_reject_answers_the_model() {
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("gate", r#"{"text":"a"}"#)]));
+    let key = s.calls[0].key.clone();
+    let t = go(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: Some(json!({"text": "b"})),
+        },
+    );
+    assert_eq!(t.kind, "call_approved");
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    assert_ne!(s.calls[0].key, key, "edited arguments get their own key");
+    assert_eq!(s.decided, [("call_1_0".parse().unwrap(), true)]);
+
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("gate", "{}")]));
+    let bad = step(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: Some(json!({"text": 1})),
+        },
+        &cx(10),
+    );
+    assert_eq!(bad.unwrap_err().code, "invalid_argument");
+    let unknown = step(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_9_9".parse().unwrap(),
+            arguments: None,
+        },
+        &cx(10),
+    );
+    assert_eq!(unknown.unwrap_err().code, "unknown_call");
+    let t = go(
+        &mut s,
+        RunEvent::Reject {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: Some("no".into()),
+        },
+    );
+    assert_eq!(t.kind, "call_rejected");
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    assert!(
+        matches!(s.messages.last(), Some(Message::Tool { content, .. }) if content.contains("approval_denied"))
+    );
+}
+
+// ---- resume ----
+
+#[test]
+fn resume_reissues_in_flight_work_by_policy() {
+    let mut s = running();
+    let t = go(&mut s, RunEvent::Resume);
+    assert!(
+        has_call_model(&t, ToolChoice::Auto),
+        "awaiting_model: ask again"
+    );
+    assert_eq!(s.usage.turns, 1, "the lost call is not a new turn");
+
+    let mut s = running();
+    replied(
+        &mut s,
+        reply_calls(&[
+            ("echo", r#"{"text":"a"}"#),
+            ("idem", "{}"),
+            ("recon", "{}"),
+            ("unsafe_tool", "{}"),
+        ]),
+    );
+    finish_tool(&mut s, "call_1_0", ok());
+    let t = go(&mut s, RunEvent::Resume);
+    let kinds: Vec<&str> = t
+        .effects
+        .iter()
+        .map(|e| match e {
+            Effect::ExecuteTool { .. } => "execute",
+            Effect::CheckStatus { .. } => "check",
+            _ => "other",
+        })
+        .collect();
+    // Done calls are kept; idempotent resent; reconcilable checked; unsafe parked for an
+    // operator, which holds back the resend until it is decided.
+    assert_eq!(kinds, ["check"]);
+    assert_eq!(s.status, Status::WaitingApproval);
+    assert_eq!(s.calls[0].status, CallStatus::Done);
+    assert_eq!(s.calls[1].status, CallStatus::Ready);
+    assert_eq!(s.calls[3].status, CallStatus::OutcomeUnknown);
+    assert_eq!(t.data["outcome_unknown"], json!(["call_1_3"]));
+    assert_eq!(s.usage.tool_calls, 4, "nothing is charged twice");
+
+    let mut s = running();
+    replied(&mut s, reply_text("final"));
+    let t = go(&mut s, RunEvent::Resume);
+    assert!(matches!(t.effects[..], [Effect::Verify { .. }]));
+
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("gate", "{}")]));
+    assert!(go(&mut s, RunEvent::Resume).effects.is_empty());
+}
+
+// ---- any non-terminal ----
+
+#[test]
+fn cancel_abort_and_deadline_end_any_live_run() {
+    let setups: Vec<fn() -> RunState> = vec![
+        new_run,
+        running,
+        || {
+            let mut s = running();
+            replied(&mut s, reply_calls(&[("gate", "{}")]));
+            s
+        },
+        || {
+            let mut s = running();
+            replied(&mut s, reply_calls(&[("ask_user", r#"{"question":"q"}"#)]));
+            s
+        },
+    ];
+    for setup in setups {
+        let mut s = setup();
+        let t = go(&mut s, RunEvent::Cancel { reason: None });
+        assert_eq!((t.kind, s.status), ("run_cancelled", Status::Cancelled));
+        assert!(terminal_effects(&t));
+
+        let mut s = setup();
+        let t = go(
+            &mut s,
+            RunEvent::Abort {
+                code: "crash_loop".into(),
+                message: "x".into(),
+            },
+        );
+        assert_eq!(
+            (t.kind, s.error.as_ref().unwrap().code.as_str()),
+            ("run_failed", "crash_loop")
+        );
+
+        let mut s = setup();
+        go(&mut s, RunEvent::DeadlineReached);
+        assert_eq!(s.error.as_ref().unwrap().code, "budget_exceeded");
+    }
+}
+
+#[test]
+fn budgets_are_checked_before_model_and_tool_calls() {
+    let mut s = new_run();
+    s.budget.max_turns = 1;
+    go(&mut s, RunEvent::Start);
+    let t = replied(&mut s, reply_calls(&[("echo", r#"{"text":"a"}"#)]));
+    assert_eq!(t.effects.len(), 1);
+    let t = finish_tool(&mut s, "call_1_0", ok());
+    assert_eq!(t.kind, "run_failed");
+    assert!(s.error.as_ref().unwrap().message.contains("turns"));
+
+    let mut s = new_run();
+    s.budget.max_tool_calls = 1;
+    go(&mut s, RunEvent::Start);
+    replied(
+        &mut s,
+        reply_calls(&[("echo", r#"{"text":"a"}"#), ("echo", r#"{"text":"b"}"#)]),
+    );
+    assert!(s.error.as_ref().unwrap().message.contains("tool_calls"));
+
+    let mut s = new_run();
+    let late = step(&mut s, RunEvent::Start, &cx(2_000_000)).unwrap();
+    assert_eq!(late.kind, "run_failed");
+    assert!(s.error.as_ref().unwrap().message.contains("deadline"));
+}
+
+#[test]
+fn stale_replies_are_ignored() {
+    let mut s = running();
+    let before = s.clone();
+    let t = go(
+        &mut s,
+        RunEvent::ModelReplied {
+            epoch: 0,
+            reply: reply_text("old"),
+        },
+    );
+    assert_eq!(t.kind, "late_result_ignored");
+    assert_eq!(s.status, before.status);
+    assert_eq!(s.messages, before.messages);
+    assert_eq!(s.version, before.version + 1);
+}
+
+#[test]
+fn terminal_runs_record_late_results_and_reject_everything_else() {
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("echo", r#"{"text":"a"}"#)]));
+    let epoch = s.epoch;
+    go(&mut s, RunEvent::Cancel { reason: None });
+    let t = go(
+        &mut s,
+        RunEvent::ToolFinished {
+            epoch,
+            call_id: "call_1_0".parse().unwrap(),
+            result: ok(),
+        },
+    );
+    assert_eq!(t.kind, "late_result_ignored");
+    assert_eq!(s.status, Status::Cancelled);
+    for e in [
+        RunEvent::Start,
+        RunEvent::Resume,
+        RunEvent::Cancel { reason: None },
+        RunEvent::Input { text: "x".into() },
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: None,
+        },
+        RunEvent::Abort {
+            code: "x".into(),
+            message: "y".into(),
+        },
+    ] {
+        let before = s.clone();
+        let err = step(&mut s, e, &cx(10)).unwrap_err();
+        assert_eq!(err.code, "invalid_state");
+        assert_eq!(s, before, "an error changes nothing");
+    }
+}
+
+#[test]
+fn controls_that_do_not_fit_are_errors() {
+    let mut s = new_run();
+    for e in [
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: None,
+        },
+        RunEvent::Reject {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: None,
+        },
+    ] {
+        assert_eq!(step(&mut s, e, &cx(10)).unwrap_err().code, "invalid_state");
+    }
+    let mut s = running();
+    assert!(step(&mut s, RunEvent::Start, &cx(10)).is_err());
+    assert!(
+        step(
+            &mut s,
+            RunEvent::Approve {
+                call_id: "call_1_0".parse().unwrap(),
+                arguments: None
+            },
+            &cx(10)
+        )
+        .is_err()
+    );
+}
+
+#[test]
+fn no_progress_escalates_to_a_forced_final_turn_then_fails() {
+    let mut s = running();
+    let mut kinds = Vec::new();
+    for _ in 0..5 {
+        if s.is_terminal() {
+            break;
+        }
+        let t = replied(&mut s, reply_calls(&[("echo", r#"{"text":"same"}"#)]));
+        kinds.push(t.kind);
+        if s.is_terminal() {
+            break;
+        }
+        let call = s.calls[0].call_id.to_string();
+        let t = finish_tool(&mut s, &call, ok());
+        if has_call_model(&t, ToolChoice::None) {
+            kinds.push("forced_final");
+        }
+    }
+    assert!(kinds.contains(&"forced_final"), "{kinds:?}");
+    assert_eq!(s.error.as_ref().unwrap().code, "no_progress");
+}
+
+// ---- properties ----
+
+fn arb_event() -> impl Strategy<Value = RunEvent> {
+    let call = (1u32..4, 0usize..3).prop_map(|(t, i)| CallId::new(t, i));
+    let tool = prop::sample::select(vec![
+        "echo",
+        "idem",
+        "unsafe_tool",
+        "recon",
+        "gate",
+        "poll",
+        "hidden",
+        "nope",
+        "ask_user",
+    ]);
+    let args = prop::sample::select(vec![
+        r#"{"text":"a"}"#,
+        r#"{"text":1}"#,
+        "{}",
+        "not json",
+        r#"{"question":"q"}"#,
+    ]);
+    let reply = prop_oneof![
+        Just(reply_text("final")),
+        Just(reply_text("")),
+        prop::collection::vec((tool, args), 1..3).prop_map(|v| {
+            let calls: Vec<(&str, &str)> = v.clone();
+            reply_calls(&calls)
+        }),
+    ];
+    let code = prop::sample::select(vec![
+        ToolErrorCode::Timeout,
+        ToolErrorCode::OutcomeUnknown,
+        ToolErrorCode::Overloaded,
+        ToolErrorCode::Failed,
+    ]);
+    let result = prop_oneof![Just(ok()), code.prop_map(err)];
+    prop_oneof![
+        Just(RunEvent::Start),
+        Just(RunEvent::Resume),
+        (0u64..6, reply).prop_map(|(epoch, reply)| RunEvent::ModelReplied { epoch, reply }),
+        (0u64..6).prop_map(|epoch| RunEvent::ModelFailed {
+            epoch,
+            error: ModelError::new(ModelErrorKind::Overloaded, "x")
+        }),
+        (0u64..6).prop_map(|epoch| RunEvent::RetryDue { epoch }),
+        (0u64..6, call.clone(), result.clone()).prop_map(|(epoch, call_id, result)| {
+            RunEvent::ToolFinished {
+                epoch,
+                call_id,
+                result,
+            }
+        }),
+        (0u64..6, call.clone(), prop::option::of(result)).prop_map(|(epoch, call_id, r)| {
+            RunEvent::StatusChecked {
+                epoch,
+                call_id,
+                outcome: Ok(r),
+            }
+        }),
+        (0u64..6, any::<bool>()).prop_map(|(epoch, okay)| RunEvent::VerificationDone {
+            epoch,
+            verdict: if okay { Ok(()) } else { Err("no".into()) }
+        }),
+        Just(RunEvent::Cancel { reason: None }),
+        call.clone().prop_map(|call_id| RunEvent::Approve {
+            call_id,
+            arguments: None
+        }),
+        call.prop_map(|call_id| RunEvent::Reject {
+            call_id,
+            reason: None
+        }),
+        Just(RunEvent::Input { text: "hi".into() }),
+        Just(RunEvent::DeadlineReached),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn random_event_sequences_keep_the_invariants(events in prop::collection::vec(arb_event(), 1..60)) {
+        let mut a = new_run();
+        let mut b = new_run();
+        let mut terminal_events = 0;
+        for e in events {
+            let was_terminal = a.is_terminal();
+            let before = a.clone();
+            let ra = step(&mut a, e.clone(), &cx(10));
+            let rb = step(&mut b, e, &cx(10));
+            // Deterministic.
+            prop_assert_eq!(&ra, &rb);
+            prop_assert_eq!(&a, &b);
+            match ra {
+                Ok(t) => {
+                    prop_assert_eq!(a.version, before.version + 1);
+                    if matches!(t.kind, "run_succeeded" | "run_failed" | "run_cancelled") {
+                        terminal_events += 1;
+                    }
+                    if was_terminal {
+                        prop_assert_eq!(t.kind, "late_result_ignored");
+                        prop_assert_eq!(a.status, before.status);
+                        prop_assert!(t.effects.is_empty());
+                    }
+                }
+                // An error changes nothing.
+                Err(_) => prop_assert_eq!(&a, &before),
+            }
+            // Terminal states stay terminal.
+            prop_assert!(!was_terminal || a.is_terminal());
+            // The phase is set exactly while running.
+            prop_assert_eq!(a.phase.is_some(), a.status == Status::Running);
+        }
+        prop_assert!(terminal_events <= 1);
+        prop_assert_eq!(terminal_events == 1, a.is_terminal());
+    }
+}
