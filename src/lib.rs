@@ -8,6 +8,7 @@
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
 
 pub mod agent;
+pub mod bench;
 pub mod clock;
 pub mod config_duration;
 pub mod hub;

@@ -44,6 +44,8 @@ pub enum RunMsg {
     },
     /// The run's current state.
     Get(RpcReplyPort<RunState>),
+    /// After a failed commit: read the checkpoint back and continue from it.
+    Reload,
 }
 
 /// The answer to a control message: the state after it, or why it did not apply.
@@ -111,6 +113,11 @@ struct Live {
     /// late results are recorded as ignored instead of vanishing.
     tools_in_flight: u32,
     finishing: bool,
+    /// A commit failed, so `run` may differ from the store: messages wait in `held` until the
+    /// checkpoint has been read back (`RunMsg::Reload`).
+    reloading: bool,
+    held: Vec<RunMsg>,
+    writer: CheckpointWriter,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -129,7 +136,11 @@ pub enum Error {
 
 /// Serializes the run into its stored form.
 pub fn checkpoint_of(run: &RunState) -> Result<Checkpoint, serde_json::Error> {
-    Ok(Checkpoint {
+    Ok(checkpoint_with_body(run, serde_json::to_string(run)?))
+}
+
+fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
+    Checkpoint {
         run_id: run.id.clone(),
         tenant: run.tenant.clone(),
         agent: run.agent.clone(),
@@ -138,8 +149,73 @@ pub fn checkpoint_of(run: &RunState) -> Result<Checkpoint, serde_json::Error> {
         version: run.version,
         created_at_ms: run.created_at_ms,
         updated_at_ms: run.updated_at_ms,
-        body: serde_json::to_string(run)?,
-    })
+        body,
+    }
+}
+
+/// Writes checkpoints of one run, serializing each message once: the transcript only grows,
+/// so the JSON of messages already written is kept and spliced in. Without this, every step
+/// would re-serialize the whole conversation.
+#[derive(Debug, Default)]
+pub struct CheckpointWriter {
+    /// JSON of `messages[..n]`, comma-separated.
+    messages_json: String,
+    n: usize,
+}
+
+impl CheckpointWriter {
+    /// Forgets the cache (after the state was replaced by one read back from the store).
+    pub fn reset(&mut self) {
+        self.messages_json.clear();
+        self.n = 0;
+    }
+
+    pub fn checkpoint(&mut self, run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
+        if self.n > run.messages.len() {
+            self.reset();
+        }
+        for m in &run.messages[self.n..] {
+            if self.n > 0 {
+                self.messages_json.push(',');
+            }
+            serde_json::to_writer(string_writer(&mut self.messages_json), m)?;
+            self.n += 1;
+        }
+        // `messages` is the last field: serialize the rest with it empty, then splice.
+        let messages = std::mem::take(&mut run.messages);
+        let head = serde_json::to_string(run);
+        run.messages = messages;
+        let head = head?;
+        let Some(prefix) = head.strip_suffix("[]}") else {
+            return checkpoint_of(run);
+        };
+        let mut body = String::with_capacity(prefix.len() + self.messages_json.len() + 2);
+        body.push_str(prefix);
+        body.push('[');
+        body.push_str(&self.messages_json);
+        body.push_str("]}");
+        Ok(checkpoint_with_body(run, body))
+    }
+}
+
+/// Adapts a `String` as an `io::Write` sink for serde_json (which only writes valid UTF-8).
+fn string_writer(s: &mut String) -> StringWriter<'_> {
+    StringWriter(s)
+}
+
+struct StringWriter<'a>(&'a mut String);
+
+impl std::io::Write for StringWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let text = std::str::from_utf8(buf)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        self.0.push_str(text);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Reads the run back from its stored form.
@@ -216,7 +292,7 @@ impl Actor for RunActor {
                 code: "unknown_agent".into(),
                 message: "the run's agent is no longer configured".into(),
             };
-            apply_or_retry(&myself, &deps, &mut live, event, None).await;
+            deliver(&myself, &deps, &mut live, RunMsg::Event(event)).await?;
             st.live = Some(live);
             return Ok(());
         };
@@ -235,7 +311,7 @@ impl Actor for RunActor {
             Boot::Recover => RunEvent::Resume,
             Boot::Abort { code, message } => RunEvent::Abort { code, message },
         };
-        apply_or_retry(&myself, &deps, &mut live, boot, None).await;
+        deliver(&myself, &deps, &mut live, RunMsg::Event(boot)).await?;
         // Control messages stored but not yet applied (e.g. sent while the run was down).
         if !live.run.is_terminal() {
             let after = live.run.controls_applied;
@@ -244,7 +320,12 @@ impl Actor for RunActor {
                 if live.run.is_terminal() {
                     break;
                 }
-                apply_control(&myself, &deps, &mut live, c.seq, c.control, None).await;
+                let msg = RunMsg::Control {
+                    seq: c.seq,
+                    control: c.control,
+                    reply: None,
+                };
+                deliver(&myself, &deps, &mut live, msg).await?;
             }
         }
         st.live = Some(live);
@@ -261,30 +342,13 @@ impl Actor for RunActor {
         let Some(live) = st.live.as_mut() else {
             return Ok(());
         };
-        match msg {
-            RunMsg::Event(event) => {
-                let tool_reply = matches!(
-                    event,
-                    RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }
-                );
-                if tool_reply {
-                    live.tools_in_flight = live.tools_in_flight.saturating_sub(1);
-                }
-                apply_or_retry(&myself, &deps, live, event, None).await;
-                if live.finishing && live.tools_in_flight == 0 {
-                    myself.stop(Some("finished".into()));
-                }
-            }
-            RunMsg::Control {
-                seq,
-                control,
-                reply,
-            } => {
-                apply_control(&myself, &deps, live, seq, control, reply).await;
-            }
-            RunMsg::Get(reply) => {
-                let _ = reply.send(live.run.clone());
-            }
+        if let RunMsg::Event(RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }) = &msg
+        {
+            live.tools_in_flight = live.tools_in_flight.saturating_sub(1);
+        }
+        deliver(&myself, &deps, live, msg).await?;
+        if live.finishing && live.tools_in_flight == 0 {
+            myself.stop(Some("finished".into()));
         }
         Ok(())
     }
@@ -339,69 +403,132 @@ impl Live {
             store_failures: 0,
             tools_in_flight: 0,
             finishing: false,
+            reloading: false,
+            held: Vec::new(),
+            writer: CheckpointWriter::default(),
         }
     }
 }
 
-async fn apply_control(
+/// Handles one message: applies it, holds it while the state is being reloaded, or answers a
+/// query. An `Err` is a bug (it fails the actor, and the supervisor restarts the run).
+async fn deliver(
     myself: &ActorRef<RunMsg>,
     deps: &Arc<RunDeps>,
     live: &mut Live,
-    seq: u64,
-    control: Control,
-    reply: Option<RpcReplyPort<ControlReply>>,
-) {
-    if seq <= live.run.controls_applied {
-        // Already applied (read from the inbox at start): same outcome again.
-        if let Some(r) = reply {
-            let _ = r.send(Ok(live.run.clone()));
-        }
-        return;
+    msg: RunMsg,
+) -> Result<(), ActorProcessingErr> {
+    if live.reloading && !matches!(msg, RunMsg::Reload | RunMsg::Get(_)) {
+        live.held.push(msg);
+        return Ok(());
     }
-    let event = RunEvent::from(control.clone());
-    match apply(myself, deps, live, event, Some(seq)).await {
-        Applied::Done => {
-            if let Some(r) = reply {
-                let _ = r.send(Ok(live.run.clone()));
+    match msg {
+        RunMsg::Get(reply) => {
+            let _ = reply.send(live.run.clone());
+        }
+        RunMsg::Reload => reload(myself, deps, live).await?,
+        RunMsg::Event(event) => {
+            let copy = event.clone();
+            match apply(myself, deps, live, event, None).await? {
+                Applied::Done | Applied::LostOwnership => {}
+                Applied::Rejected(e) => {
+                    tracing::debug!(run = %live.run.id, error = %e, "event did not apply");
+                }
+                Applied::StoreDown => hold(myself, deps, live, RunMsg::Event(copy)),
             }
         }
-        Applied::Rejected(e) => {
-            // Consumed: it will not be re-applied after a restart.
-            live.run.controls_applied = live.run.controls_applied.max(seq);
-            if let Some(r) = reply {
-                let _ = r.send(Err(e));
+        RunMsg::Control {
+            seq,
+            control,
+            reply,
+        } => {
+            if seq <= live.run.controls_applied {
+                // Already applied (read from the inbox at start): the same outcome again.
+                if let Some(r) = reply {
+                    let _ = r.send(Ok(live.run.clone()));
+                }
+                return Ok(());
+            }
+            let event = RunEvent::from(control.clone());
+            match apply(myself, deps, live, event, Some(seq)).await? {
+                Applied::Done => {
+                    if let Some(r) = reply {
+                        let _ = r.send(Ok(live.run.clone()));
+                    }
+                }
+                Applied::Rejected(e) => {
+                    // Consumed: not re-applied after a restart (persisted with the next commit).
+                    live.run.controls_applied = live.run.controls_applied.max(seq);
+                    if let Some(r) = reply {
+                        let _ = r.send(Err(e));
+                    }
+                }
+                Applied::StoreDown => {
+                    let msg = RunMsg::Control {
+                        seq,
+                        control,
+                        reply,
+                    };
+                    hold(myself, deps, live, msg);
+                }
+                Applied::LostOwnership => {}
             }
         }
-        Applied::StoreDown => {
-            let after = store_backoff(deps, live);
-            myself.send_after(after, move || RunMsg::Control {
-                seq,
-                control,
-                reply,
-            });
-        }
-        Applied::LostOwnership => {}
+    }
+    Ok(())
+}
+
+/// A commit failed: keep `msg`, stop taking new work, and read the checkpoint back later.
+fn hold(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &mut Live, msg: RunMsg) {
+    live.held.push(msg);
+    if !live.reloading {
+        live.reloading = true;
+        // Requests in flight were issued by a state that may not have been stored.
+        live.cancel.cancel();
+        live.cancel = CancellationToken::new();
+        let after = store_backoff(deps, live);
+        myself.send_after(after, || RunMsg::Reload);
     }
 }
 
-async fn apply_or_retry(
+/// Reads the checkpoint back after a failed commit (which may or may not have landed), resumes
+/// from it — re-issuing in-flight work by each tool's policy — then replays the held messages.
+async fn reload(
     myself: &ActorRef<RunMsg>,
     deps: &Arc<RunDeps>,
     live: &mut Live,
-    event: RunEvent,
-    control_seq: Option<u64>,
-) {
-    let retry = event.clone();
-    match apply(myself, deps, live, event, control_seq).await {
-        Applied::Done | Applied::LostOwnership => {}
-        Applied::Rejected(e) => {
-            tracing::debug!(run = %live.run.id, error = %e, "event did not apply");
-        }
-        Applied::StoreDown => {
-            let after = store_backoff(deps, live);
-            myself.send_after(after, move || RunMsg::Event(retry));
-        }
+) -> Result<(), ActorProcessingErr> {
+    if !live.reloading {
+        return Ok(());
     }
+    let loaded = match deps.store.load(&live.run.id).await {
+        Ok(Some(cp)) => state_of(&cp).map_err(|e| Error::Corrupt {
+            run: live.run.id.clone(),
+            message: e.to_string(),
+        })?,
+        Ok(None) => return Err(Error::Missing(live.run.id.clone()).into()),
+        Err(e) => {
+            tracing::warn!(run = %live.run.id, error = %e, "store still unavailable; the run stays paused");
+            let after = store_backoff(deps, live);
+            myself.send_after(after, || RunMsg::Reload);
+            return Ok(());
+        }
+    };
+    tracing::info!(run = %live.run.id, version = loaded.version, "store is back; resuming the run");
+    live.run = loaded;
+    live.writer.reset();
+    live.reloading = false;
+    live.store_failures = 0;
+    live.tools_in_flight = 0;
+    if !live.run.is_terminal() {
+        Box::pin(deliver(myself, deps, live, RunMsg::Event(RunEvent::Resume))).await?;
+    }
+    for msg in std::mem::take(&mut live.held) {
+        // Replies to requests issued before the failure carry an old epoch now (Resume moved
+        // it on) and are recorded as ignored.
+        Box::pin(deliver(myself, deps, live, msg)).await?;
+    }
+    Ok(())
 }
 
 fn store_backoff(deps: &RunDeps, live: &mut Live) -> Duration {
@@ -420,7 +547,7 @@ async fn apply(
     live: &mut Live,
     event: RunEvent,
     control_seq: Option<u64>,
-) -> Applied {
+) -> Result<Applied, ActorProcessingErr> {
     if let Some(f) = &deps.faults
         && f.panic_before(&live.run, &event)
     {
@@ -431,7 +558,7 @@ async fn apply(
         );
     }
     let now = now_ms();
-    let before = live.run.clone();
+    let (prev_version, prev_status) = (live.run.version, live.run.status);
     let stepped = {
         let cx = StepContext {
             now_ms: now,
@@ -442,7 +569,7 @@ async fn apply(
     };
     let transition = match stepped {
         Ok(t) => t,
-        Err(e) => return Applied::Rejected(e),
+        Err(e) => return Ok(Applied::Rejected(e)),
     };
     if let Some(seq) = control_seq {
         live.run.controls_applied = live.run.controls_applied.max(seq);
@@ -453,40 +580,39 @@ async fn apply(
         kind: transition.kind.to_owned(),
         data: transition.data,
     };
-    let checkpoint = match checkpoint_of(&live.run) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(run = %live.run.id, error = %e, "cannot serialize the run");
-            live.run = before;
-            return Applied::StoreDown;
-        }
-    };
-    match deps
+    let checkpoint = live
+        .writer
+        .checkpoint(&mut live.run)
+        .map_err(|e| Error::Corrupt {
+            run: live.run.id.clone(),
+            message: format!("cannot serialize the run: {e}"),
+        })?;
+    let committed = deps
         .store
         .commit(
             &live.lease,
             &checkpoint,
-            before.version,
+            prev_version,
             std::slice::from_ref(&record),
         )
-        .await
-    {
+        .await;
+    match committed {
         Ok(()) => live.store_failures = 0,
         Err(e) if e.is_retryable() => {
-            tracing::warn!(run = %live.run.id, error = %e, "commit failed; will retry");
-            live.run = before;
-            return Applied::StoreDown;
+            // `live.run` now holds a state that may or may not be stored: it is replaced by
+            // the checkpoint read back on reload.
+            tracing::warn!(run = %live.run.id, error = %e, "commit failed; pausing the run until the store answers");
+            return Ok(Applied::StoreDown);
         }
         Err(e) => {
             tracing::warn!(run = %live.run.id, error = %e, "lost ownership of the run; stopping its actor");
-            live.run = before;
             live.cancel.cancel();
             myself.stop(Some("lease_lost".into()));
-            return Applied::LostOwnership;
+            return Ok(Applied::LostOwnership);
         }
     }
     deps.metrics.transitions.fetch_add(1, Ordering::Relaxed);
-    if live.run.status != before.status {
+    if live.run.status != prev_status {
         deps.metrics.entered(live.run.status);
     }
     let terminal = live.run.is_terminal();
@@ -494,7 +620,7 @@ async fn apply(
     for effect in transition.effects {
         execute(myself, deps, live, effect);
     }
-    Applied::Done
+    Ok(Applied::Done)
 }
 
 fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effect: Effect) {
@@ -627,4 +753,47 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
 
 fn effect_kind(call_id: &crate::ids::CallId, run: &RunState) -> Option<super::state::CallStatus> {
     run.call(call_id).map(|c| c.status)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::model::Message;
+    use serde_json::json;
+
+    #[test]
+    fn the_checkpoint_writer_matches_plain_serialization() {
+        let mut run = RunState::new(
+            RunId::generate(),
+            "t".into(),
+            "a".into(),
+            json!("g"),
+            Default::default(),
+            1,
+        );
+        let mut w = CheckpointWriter::default();
+        assert_eq!(
+            w.checkpoint(&mut run).unwrap().body,
+            checkpoint_of(&run).unwrap().body
+        );
+        for i in 0..3 {
+            run.messages.push(Message::User {
+                content: format!("say \"{i}\" \\ é"),
+            });
+            run.messages.push(Message::Tool {
+                call_id: format!("c{i}"),
+                content: r#"{"ok":true}"#.into(),
+            });
+            run.version += 1;
+            let body = w.checkpoint(&mut run).unwrap().body;
+            assert_eq!(body, checkpoint_of(&run).unwrap().body);
+            assert_eq!(state_of(&checkpoint_of(&run).unwrap()).unwrap(), run);
+        }
+        w.reset();
+        assert_eq!(
+            w.checkpoint(&mut run).unwrap().body,
+            checkpoint_of(&run).unwrap().body
+        );
+    }
 }

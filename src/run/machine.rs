@@ -1249,8 +1249,9 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
             let mut effects = Vec::new();
             let mut unknown = Vec::new();
             for c in s.calls.iter_mut() {
-                match c.status {
-                    CallStatus::Dispatched => match (c.effect, c.reconcilable) {
+                // A call in flight when the previous incarnation died: never blindly resent.
+                if c.status == CallStatus::Dispatched {
+                    match (c.effect, c.reconcilable) {
                         (ToolEffect::Read | ToolEffect::Idempotent, _) => {
                             c.status = CallStatus::Ready;
                         }
@@ -1261,8 +1262,7 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
                             c.status = CallStatus::OutcomeUnknown;
                             unknown.push(c.call_id.clone());
                         }
-                    },
-                    _ => {}
+                    }
                 }
                 if c.status == CallStatus::Reconciling {
                     effects.push(Effect::CheckStatus {

@@ -165,8 +165,6 @@ pub struct RunState {
     pub phase: Option<Phase>,
     pub budget: Budget,
     pub usage: Usage,
-    /// The conversation so far (instructions are added by the context builder, not stored).
-    pub messages: Vec<Message>,
     /// The current batch of tool calls (empty outside a batch).
     #[serde(default)]
     pub calls: Vec<PendingCall>,
@@ -215,6 +213,10 @@ pub struct RunState {
     pub updated_at_ms: u64,
     /// Equals the seq of the last event: one per transition.
     pub version: u64,
+    /// The conversation so far (instructions are added by the context builder, not stored).
+    /// Append-only, and the last field, so a checkpoint can reuse the serialized prefix (see
+    /// `run::actor::CheckpointWriter`).
+    pub messages: Vec<Message>,
 }
 
 impl RunState {

@@ -1,0 +1,284 @@
+//! `agentd bench`: a load generator for the runtime. N concurrent runs of K tool steps each, on
+//! the scripted model and the `echo` tool, in this process; reports runs succeeded, steps per
+//! second, step latency percentiles, CPU per step, peak RSS and memory per run.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use serde_json::{Value, json};
+
+use crate::agent::AgentSpec;
+use crate::ids::RunId;
+use crate::model::scripted::{ScriptedModel, turn_of};
+use crate::model::{ModelProvider, ModelReply, ModelToolCall};
+use crate::pool::PoolSize;
+use crate::run::{Budget, Status};
+use crate::runtime::{NewRun, Runtime, RuntimeConfig, RuntimeParts};
+use crate::store::SharedStore;
+use crate::tool::builtin::Echo;
+use crate::tool::registry::Registry;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub runs: usize,
+    pub steps: u32,
+    /// Scripted model latency per call.
+    pub model_delay: Duration,
+    pub model_workers: usize,
+    pub tool_workers: usize,
+    /// Give up after this long.
+    pub timeout: Duration,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            runs: 1_000,
+            steps: 10,
+            model_delay: Duration::ZERO,
+            model_workers: 256,
+            tool_workers: 256,
+            timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What happened.
+#[derive(Debug, Clone)]
+pub struct BenchReport {
+    pub runs: usize,
+    pub succeeded: usize,
+    pub steps: u64,
+    pub elapsed: Duration,
+    pub step_p50: Duration,
+    pub step_p99: Duration,
+    pub cpu_per_step: Duration,
+    pub baseline_rss: u64,
+    pub peak_rss: u64,
+    pub transitions: u64,
+}
+
+impl BenchReport {
+    pub fn steps_per_second(&self) -> f64 {
+        self.steps as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Peak resident memory above the baseline, divided by the runs.
+    pub fn bytes_per_run(&self) -> u64 {
+        self.peak_rss.saturating_sub(self.baseline_rss) / self.runs.max(1) as u64
+    }
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "runs succeeded     {}/{}", self.succeeded, self.runs)?;
+        writeln!(
+            f,
+            "steps              {} in {:.2?}",
+            self.steps, self.elapsed
+        )?;
+        writeln!(f, "steps per second   {:.0}", self.steps_per_second())?;
+        writeln!(
+            f,
+            "step latency       p50 {:.2?}  p99 {:.2?}",
+            self.step_p50, self.step_p99
+        )?;
+        writeln!(
+            f,
+            "cpu per step       {:.1?} (user+system, all threads)",
+            self.cpu_per_step
+        )?;
+        writeln!(f, "transitions        {}", self.transitions)?;
+        writeln!(
+            f,
+            "peak rss           {:.1} MiB (baseline {:.1} MiB)",
+            self.peak_rss as f64 / 1_048_576.0,
+            self.baseline_rss as f64 / 1_048_576.0
+        )?;
+        write!(
+            f,
+            "memory per run     {:.1} KiB (peak above baseline / runs, messages included)",
+            self.bytes_per_run() as f64 / 1024.0
+        )
+    }
+}
+
+fn proc_status_kib(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+/// User + system CPU time of this process (Linux; zero elsewhere).
+fn cpu_time() -> Duration {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            let after = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = after.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0);
+    // USER_HZ is 100 on Linux.
+    Duration::from_millis(ticks * 10)
+}
+
+/// Runs the benchmark on `store`.
+pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, String> {
+    let steps = opts.steps;
+    let last_call: Arc<DashMap<RunId, Instant>> = Arc::new(DashMap::new());
+    let latencies: Arc<std::sync::Mutex<Vec<u32>>> = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (lc, lat) = (last_call.clone(), latencies.clone());
+    let model = ScriptedModel::from_fn("bench", move |req| {
+        let now = Instant::now();
+        if let Some(prev) = lc.insert(req.run_id.clone(), now)
+            && let Ok(mut l) = lat.lock()
+        {
+            l.push(now.duration_since(prev).as_micros().min(u32::MAX as u128) as u32);
+        }
+        let turn = turn_of(req);
+        Ok(if turn <= steps {
+            ModelReply {
+                text: None,
+                tool_calls: vec![ModelToolCall {
+                    id: format!("c{turn}"),
+                    name: "echo".into(),
+                    arguments: json!({"text": format!("step {turn}")}).to_string(),
+                }],
+                usage: Default::default(),
+            }
+        } else {
+            ModelReply {
+                text: Some("done".into()),
+                ..Default::default()
+            }
+        })
+    })
+    .with_delay(opts.model_delay);
+    let mut registry = Registry::new();
+    registry
+        .register(Arc::new(Echo::new()))
+        .map_err(|e| e.to_string())?;
+    let mut config = RuntimeConfig::default();
+    config.gateway.size = PoolSize {
+        workers: opts.model_workers,
+        queue: opts.runs.max(1024) * 2,
+    };
+    config.tool_pool = PoolSize {
+        workers: opts.tool_workers,
+        queue: opts.runs.max(1024) * 2,
+    };
+    let budget = Budget {
+        max_turns: steps + 5,
+        max_tool_calls: steps + 5,
+        ..Budget::default()
+    };
+    let agent = AgentSpec::new("bench", "bench")
+        .tools(["echo"])
+        .budget(budget);
+    let models: std::collections::HashMap<String, Arc<dyn ModelProvider>> = [(
+        "bench".to_owned(),
+        Arc::new(model) as Arc<dyn ModelProvider>,
+    )]
+    .into();
+    let runtime = Runtime::start(
+        config,
+        RuntimeParts {
+            store,
+            registry,
+            models,
+            agents: vec![agent],
+            faults: None,
+        },
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let handle = runtime.handle();
+    let baseline_rss = proc_status_kib("VmRSS:") * 1024;
+    let cpu_before = cpu_time();
+    let started = Instant::now();
+    let mut ids = Vec::with_capacity(opts.runs);
+    for i in 0..opts.runs {
+        let (run, _) = handle
+            .create_run(NewRun {
+                tenant: "bench".into(),
+                agent: "bench".into(),
+                input: Value::String(format!("bench run {i}")),
+                client_key: None,
+                budget: Default::default(),
+                metadata: Value::Null,
+            })
+            .await
+            .map_err(|e| format!("create run {i}: {e}"))?;
+        ids.push(run.id);
+    }
+    // Wait until every run has ended, polling the counters (cheap; no per-run waiters that
+    // would add their own cost to what is measured).
+    let metrics = handle.metrics().clone();
+    let ended = || {
+        [Status::Succeeded, Status::Failed, Status::Cancelled]
+            .iter()
+            .map(|s| {
+                let i = Status::ALL.iter().position(|x| x == s).unwrap_or(0);
+                metrics.runs_entered[i].load(Ordering::Relaxed)
+            })
+            .sum::<u64>()
+    };
+    let deadline = Instant::now() + opts.timeout;
+    while ended() < opts.runs as u64 {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "timed out with {} of {} runs ended",
+                ended(),
+                opts.runs
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed();
+    let cpu = cpu_time().saturating_sub(cpu_before);
+    let peak_rss = proc_status_kib("VmHWM:") * 1024;
+    let mut succeeded = 0;
+    let mut steps_done = 0u64;
+    for id in &ids {
+        let run = handle
+            .get_run("bench", id)
+            .await
+            .map_err(|e| e.to_string())?;
+        if run.status == Status::Succeeded {
+            succeeded += 1;
+        }
+        steps_done += u64::from(run.usage.tool_calls);
+    }
+    let mut l = latencies.lock().map(|l| l.clone()).unwrap_or_default();
+    l.sort_unstable();
+    let pct = |p: f64| -> Duration {
+        if l.is_empty() {
+            return Duration::ZERO;
+        }
+        let i = ((l.len() as f64 - 1.0) * p).round() as usize;
+        Duration::from_micros(u64::from(l[i]))
+    };
+    let report = BenchReport {
+        runs: opts.runs,
+        succeeded,
+        steps: steps_done,
+        elapsed,
+        step_p50: pct(0.50),
+        step_p99: pct(0.99),
+        cpu_per_step: cpu / (steps_done.max(1) as u32),
+        baseline_rss,
+        peak_rss,
+        transitions: metrics.transitions.load(Ordering::Relaxed),
+    };
+    runtime.shutdown(Duration::from_secs(30)).await;
+    Ok(report)
+}
