@@ -761,7 +761,7 @@ mod redis_concurrency {
     use agentd::store::redis::RedisStore;
 
     /// `runs` runs, each committing `commits` times, all concurrently. Returns commits/s.
-    async fn drive(s: Arc<RedisStore>, runs: usize, commits: u64) -> f64 {
+    async fn drive(s: Arc<RedisStore>, runs: usize, commits: u64, body: usize) -> f64 {
         let mut setup = tokio::task::JoinSet::new();
         for _ in 0..runs {
             let s = s.clone();
@@ -779,7 +779,17 @@ mod redis_concurrency {
             tasks.spawn(async move {
                 let mut c = ckpt(&run, "bench", 1);
                 for _ in 0..commits {
-                    c = step(&*s, &lease, &c).await;
+                    let mut next = c.clone();
+                    next.version += 1;
+                    next.body = format!(
+                        "{{\"v\":{},\"pad\":\"{}\"}}",
+                        next.version,
+                        "x".repeat(body)
+                    );
+                    s.commit(&lease, &next, c.version, &[ev(next.version)])
+                        .await
+                        .unwrap();
+                    c = next;
                 }
                 (run, c.version)
             });
@@ -804,12 +814,13 @@ mod redis_concurrency {
             return;
         };
         let ns = s.keys().namespace().to_owned();
-        drive(Arc::new(s), 200, 5).await;
+        drive(Arc::new(s), 200, 5, 100).await;
         drop_namespace(&ns).await;
     }
 
     /// Prints commits/s with and without group commit (set `STORE_BENCH_RUNS`, default 1000,
-    /// and `STORE_BENCH_COMMITS`, default 10). Figures only; nothing is asserted on timing.
+    /// `STORE_BENCH_COMMITS`, default 10, `STORE_BENCH_BODY` bytes of checkpoint body, default
+    /// 2048). Figures only; nothing is asserted on timing.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn throughput_figures() {
         let runs = std::env::var("STORE_BENCH_RUNS")
@@ -820,14 +831,19 @@ mod redis_concurrency {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(10);
+        let body = std::env::var("STORE_BENCH_BODY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2048);
         for group in [true, false] {
             let Some(s) = shared_redis(|c| c.group_commit(group)).await else {
                 return;
             };
             let ns = s.keys().namespace().to_owned();
-            let rate = drive(Arc::new(s), runs, commits).await;
+            let rate = drive(Arc::new(s), runs, commits, body).await;
             eprintln!(
-                "redis store: {runs} runs x {commits} commits, group_commit={group}: {rate:.0} commits/s"
+                "redis store: {runs} runs x {commits} commits of {body} B bodies, \
+                 group_commit={group}: {rate:.0} commits/s"
             );
             drop_namespace(&ns).await;
         }

@@ -12,8 +12,10 @@ use agentd::store::redis::{RedisConfig, RedisStore};
 use agentd::store::{Checkpoint, EventRecord};
 use serde_json::json;
 
-/// The shared Redis used by contract tests.
-pub const SHARED_REDIS: &str = "redis://127.0.0.1:6379/0";
+/// The shared Redis used by contract tests (override with `AGENTD_TEST_REDIS_URL`).
+pub fn shared_redis_url() -> String {
+    std::env::var("AGENTD_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/0".into())
+}
 
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
@@ -37,13 +39,14 @@ pub fn unique_ns() -> String {
 /// unreachable outside CI.
 pub async fn shared_redis(cfg: impl FnOnce(RedisConfig) -> RedisConfig) -> Option<RedisStore> {
     let ns = unique_ns();
-    let config = cfg(RedisConfig::new(SHARED_REDIS)
+    let url = shared_redis_url();
+    let config = cfg(RedisConfig::new(&url)
         .namespace(&ns)
         .op_timeout(Duration::from_secs(5)));
     match RedisStore::open(config).await {
         Ok(s) => Some(s),
         Err(e) => {
-            skip_or_fail(&format!("redis at {SHARED_REDIS} unreachable: {e}"));
+            skip_or_fail(&format!("redis at {url} unreachable: {e}"));
             None
         }
     }
@@ -51,7 +54,7 @@ pub async fn shared_redis(cfg: impl FnOnce(RedisConfig) -> RedisConfig) -> Optio
 
 /// Deletes every key of a namespace (SCAN with a pattern built only from the checked namespace).
 pub async fn drop_namespace(ns: &str) {
-    let Ok(client) = redis::Client::open(SHARED_REDIS) else {
+    let Ok(client) = redis::Client::open(shared_redis_url()) else {
         return;
     };
     let Ok(mut con) = client.get_multiplexed_async_connection().await else {
