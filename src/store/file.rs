@@ -256,6 +256,10 @@ impl CheckpointStore for FileStore {
                     .map_err(|e| db_err(&what, e))?
                     .map(|v| v.value().to_owned());
                 if let Some(found) = found {
+                    if found == json {
+                        // A retry of an applied create (reply lost).
+                        return Ok(CreateOutcome::Created);
+                    }
                     return Err(Error::VersionConflict {
                         run: run.clone(),
                         expected: 0,

@@ -90,6 +90,10 @@ impl CheckpointStore for MemoryStore {
             }
         }
         let mut entry = self.runs.entry(run.clone()).or_default();
+        if entry.checkpoint.as_ref() == Some(checkpoint) && entry.events == events {
+            // A retry of a create that was applied (its reply lost).
+            return Ok(CreateOutcome::Created);
+        }
         if entry.checkpoint.is_some() {
             return Err(Error::VersionConflict {
                 run: run.clone(),

@@ -2,8 +2,10 @@
 //! run (see `keys`), so it is atomic; concurrent commits are group-committed into pipelines of
 //! EVALSHA calls by a background task; every call is bounded by a timeout.
 //!
-//! Semantics match the in-memory reference, plus: a commit retried after an ambiguous failure
-//! (same checkpoint already stored) succeeds instead of reporting a false conflict.
+//! Semantics match the in-memory reference: a create or commit retried after an ambiguous
+//! failure (the same checkpoint is already stored) succeeds instead of reporting a false
+//! conflict. Not Redis Cluster-ready yet: the create/commit scripts also touch the global
+//! `active` and per-tenant index keys, which live in other slots.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,6 +95,8 @@ if #KEYS >= 5 then
   if existing then return {6, existing} end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- A retry of an applied create (reply lost) is not a conflict.
+  if redis.call('HGET', KEYS[1], 'doc') == ARGV[3] then return {0, ''} end
   return {4, tostring(redis.call('HGET', KEYS[1], 'v') or '0')}
 end
 local n = tonumber(ARGV[6])

@@ -72,7 +72,14 @@ async fn create_and_idempotent_create(s: &dyn Store) {
         CreateOutcome::Created
     );
 
-    // Creating an existing run again is a conflict and changes nothing.
+    // Retrying an applied create (reply lost) succeeds and writes nothing new.
+    assert_eq!(
+        s.create(&first, &[ev(1)], None).await.unwrap(),
+        CreateOutcome::Created
+    );
+    assert_eq!(s.read(&a, 0, 10).await.unwrap(), vec![ev(1)]);
+
+    // Creating an existing run with other content is a conflict and changes nothing.
     let mut other = first.clone();
     other.body = "{}".into();
     let err = s.create(&other, &[ev(1)], None).await.unwrap_err();
