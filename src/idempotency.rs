@@ -61,13 +61,7 @@ mod tests {
             idempotency_key(&run, 1, 0, "echo", &json!({"text": "hi"})),
             idempotency_key(&run, 1, 0, "echo", &json!({"text": "hi"}))
         );
-        let k = idempotency_key(
-            &run,
-            1,
-            0,
-            "restart_service",
-            &json!({"service": "api", "force": false}),
-        );
+        let k = idempotency_key(&run, 1, 0, "restart_service", &json!({"service": "api", "force": false}));
         assert_eq!(
             k,
             "idk_".to_owned() + &hex::encode(Sha256::digest(
@@ -76,46 +70,12 @@ mod tests {
         );
         assert_eq!(k, GOLDEN_RESTART_KEY);
         // Argument key order does not matter; every other input does.
-        let reordered = idempotency_key(
-            &run,
-            1,
-            0,
-            "restart_service",
-            &json!({"force": false, "service": "api"}),
-        );
+        let reordered = idempotency_key(&run, 1, 0, "restart_service", &json!({"force": false, "service": "api"}));
         assert_eq!(k, reordered);
-        assert_ne!(
-            k,
-            idempotency_key(
-                &run,
-                2,
-                0,
-                "restart_service",
-                &json!({"service": "api", "force": false})
-            )
-        );
-        assert_ne!(
-            k,
-            idempotency_key(
-                &run,
-                1,
-                1,
-                "restart_service",
-                &json!({"service": "api", "force": false})
-            )
-        );
-        assert_ne!(
-            k,
-            idempotency_key(
-                &run,
-                1,
-                0,
-                "restart",
-                &json!({"service": "api", "force": false})
-            )
-        );
+        assert_ne!(k, idempotency_key(&run, 2, 0, "restart_service", &json!({"service": "api", "force": false})));
+        assert_ne!(k, idempotency_key(&run, 1, 1, "restart_service", &json!({"service": "api", "force": false})));
+        assert_ne!(k, idempotency_key(&run, 1, 0, "restart", &json!({"service": "api", "force": false})));
     }
 
-    const GOLDEN_RESTART_KEY: &str =
-        "idk_3f3e659d0e69b58a945a3b013bb102c733d65f77c37957647151eed25387d92d";
+    const GOLDEN_RESTART_KEY: &str = "idk_3f3e659d0e69b58a945a3b013bb102c733d65f77c37957647151eed25387d92d";
 }

@@ -151,7 +151,15 @@ mod tests {
         let id = RunId::generate();
         assert_eq!(id.as_str().parse::<RunId>().unwrap(), id);
         for bad in [
-            "", "run_", "job_1", "run_../x", "run_a/b", "run_{x}", "run_a:b", "run_a b", "run_a.b",
+            "",
+            "run_",
+            "job_1",
+            "run_../x",
+            "run_a/b",
+            "run_{x}",
+            "run_a:b",
+            "run_a b",
+            "run_a.b",
         ] {
             assert!(bad.parse::<RunId>().is_err(), "{bad:?} must be rejected");
         }

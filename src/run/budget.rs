@@ -114,25 +114,11 @@ mod tests {
             (u(2, 0, 0), 0, Err(Exhausted::Turns), 1, Ok(())),
             (u(1, 3, 0), 0, Ok(()), 1, Err(Exhausted::ToolCalls)),
             (u(1, 1, 100), 0, Err(Exhausted::Tokens), 2, Ok(())),
-            (
-                u(0, 0, 0),
-                1_000,
-                Err(Exhausted::Deadline),
-                1,
-                Err(Exhausted::Deadline),
-            ),
+            (u(0, 0, 0), 1_000, Err(Exhausted::Deadline), 1, Err(Exhausted::Deadline)),
         ];
         for (usage, now, model, n, tools) in rows {
-            assert_eq!(
-                check_model_call(&b, &usage, now),
-                model,
-                "{usage:?} at {now}"
-            );
-            assert_eq!(
-                check_tool_calls(&b, &usage, n, now),
-                tools,
-                "{usage:?} +{n}"
-            );
+            assert_eq!(check_model_call(&b, &usage, now), model, "{usage:?} at {now}");
+            assert_eq!(check_tool_calls(&b, &usage, n, now), tools, "{usage:?} +{n}");
         }
     }
 }

@@ -28,10 +28,7 @@ pub enum Decision {
         question: String,
     },
     /// The reply cannot be acted on; the message goes back to the model as a correction.
-    Malformed {
-        code: &'static str,
-        message: String,
-    },
+    Malformed { code: &'static str, message: String },
 }
 
 /// Applies the rules of the module doc.
@@ -62,7 +59,8 @@ pub fn decide(reply: &ModelReply) -> Decision {
             },
             _ => Decision::Malformed {
                 code: "invalid_ask_user",
-                message: "ask_user needs arguments {\"question\": \"<non-empty text>\"}".to_owned(),
+                message: "ask_user needs arguments {\"question\": \"<non-empty text>\"}"
+                    .to_owned(),
             },
         };
     }
@@ -101,26 +99,11 @@ mod tests {
             (reply(Some("done"), vec![]), "final"),
             (reply(None, vec![call("echo", "{}")]), "tools"),
             // Text and tool calls together: the tool calls win (rule 1).
-            (
-                reply(Some("let me check"), vec![call("echo", "{}")]),
-                "tools",
-            ),
-            (
-                reply(None, vec![call("ask_user", r#"{"question":"which env?"}"#)]),
-                "ask",
-            ),
-            (
-                reply(
-                    None,
-                    vec![call("ask_user", r#"{"question":"?"}"#), call("echo", "{}")],
-                ),
-                "malformed",
-            ),
+            (reply(Some("let me check"), vec![call("echo", "{}")]), "tools"),
+            (reply(None, vec![call("ask_user", r#"{"question":"which env?"}"#)]), "ask"),
+            (reply(None, vec![call("ask_user", r#"{"question":"?"}"#), call("echo", "{}")]), "malformed"),
             (reply(None, vec![call("ask_user", "not json")]), "malformed"),
-            (
-                reply(None, vec![call("ask_user", r#"{"question":"  "}"#)]),
-                "malformed",
-            ),
+            (reply(None, vec![call("ask_user", r#"{"question":"  "}"#)]), "malformed"),
             (reply(None, vec![]), "malformed"),
             (reply(Some("   "), vec![]), "malformed"),
         ];

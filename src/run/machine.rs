@@ -53,8 +53,8 @@ use super::budget::{self, Exhausted};
 use super::decision::{Decision, decide};
 use super::progress::{CallOutcome, ProgressPolicy, Verdict};
 use super::state::{CallStatus, PendingCall, Phase, RunError, RunState, Status};
-use crate::idempotency::{call_fingerprint, idempotency_key};
 use crate::ids::CallId;
+use crate::idempotency::{call_fingerprint, idempotency_key};
 use crate::model::{Message, ModelError, ModelReply, ToolChoice};
 use crate::store::Control;
 use crate::tool::{ToolEffect, ToolError, ToolErrorCode, ToolResult};
@@ -162,29 +162,14 @@ impl From<Control> for RunEvent {
 /// Work the actor must carry out after committing the transition.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
-    CallModel {
-        epoch: u64,
-        tool_choice: ToolChoice,
-    },
+    CallModel { epoch: u64, tool_choice: ToolChoice },
     /// Send the batch call `call_id` (its intent is in the committed state).
-    ExecuteTool {
-        epoch: u64,
-        call_id: CallId,
-    },
+    ExecuteTool { epoch: u64, call_id: CallId },
     /// Ask the tool whether the call with this key already ran.
-    CheckStatus {
-        epoch: u64,
-        call_id: CallId,
-    },
-    Verify {
-        epoch: u64,
-        candidate: Value,
-    },
+    CheckStatus { epoch: u64, call_id: CallId },
+    Verify { epoch: u64, candidate: Value },
     /// Deliver `RetryDue { epoch }` after a delay.
-    ScheduleRetry {
-        epoch: u64,
-        after_ms: u64,
-    },
+    ScheduleRetry { epoch: u64, after_ms: u64 },
     /// Cancel every request in flight for this run.
     AbortInFlight,
     /// The run is over: stop its actor.
@@ -310,11 +295,7 @@ pub fn step(
             return Err(invalid(
                 state,
                 "invalid_state",
-                format!(
-                    "run is {}; it accepts no {}",
-                    state.status.as_str(),
-                    event.name()
-                ),
+                format!("run is {}; it accepts no {}", state.status.as_str(), event.name()),
             ));
         }
         ignored(&event, "run_terminal")
@@ -359,9 +340,7 @@ fn ignored(event: &RunEvent, reason: &str) -> Transition {
     data.insert("reason".into(), json!(reason));
     data.insert("ignored".into(), json!(event.name()));
     match event {
-        RunEvent::ToolFinished {
-            call_id, result, ..
-        } => {
+        RunEvent::ToolFinished { call_id, result, .. } => {
             data.insert("call_id".into(), json!(call_id));
             data.insert("ok".into(), json!(result.ok));
         }
@@ -429,11 +408,7 @@ fn dispatch(
                 ));
             }
             s.queued_input.push(text);
-            Ok(out(
-                "input_queued",
-                json!({ "queued": s.queued_input.len() }),
-                vec![],
-            ))
+            Ok(out("input_queued", json!({ "queued": s.queued_input.len() }), vec![]))
         }
         (Status::WaitingInput, E::Input { text }) => {
             let Some((question, model_call_id)) = s.question.take() else {
@@ -443,12 +418,7 @@ fn dispatch(
                 call_id: model_call_id,
                 content: ToolResult::success(json!({ "answer": text })).to_message_content(),
             });
-            Ok(next_turn(
-                s,
-                cx,
-                "input_received",
-                json!({ "question": question }),
-            ))
+            Ok(next_turn(s, cx, "input_received", json!({ "question": question })))
         }
         (Status::Running, E::Resume) => {
             s.restarts += 1;
@@ -488,28 +458,16 @@ fn dispatch(
             let effects = advance_batch(s, cx);
             Ok(out("tool_retry", json!({}), effects))
         }
-        (
-            Status::Running,
-            E::ToolFinished {
-                epoch,
-                call_id,
-                result,
-            },
-        ) if phase == Some(Phase::ExecutingTools)
-            && epoch == s.epoch
-            && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Dispatched) =>
+        (Status::Running, E::ToolFinished { epoch, call_id, result })
+            if phase == Some(Phase::ExecutingTools)
+                && epoch == s.epoch
+                && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Dispatched) =>
         {
             Ok(on_tool_finished(s, call_id, result, cx))
         }
-        (
-            Status::Running,
-            E::StatusChecked {
-                epoch,
-                call_id,
-                outcome,
-            },
-        ) if epoch == s.epoch
-            && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Reconciling) =>
+        (Status::Running, E::StatusChecked { epoch, call_id, outcome })
+            if epoch == s.epoch
+                && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Reconciling) =>
         {
             let found = match &outcome {
                 Ok(Some(_)) => "ran",
@@ -579,12 +537,7 @@ fn fail_budget(s: &mut RunState, which: Exhausted) -> Vec<Effect> {
 }
 
 /// Delivers queued input and starts the next model turn, or fails on the budget.
-fn next_turn(
-    s: &mut RunState,
-    cx: &StepContext<'_>,
-    kind: &'static str,
-    data: Value,
-) -> Transition {
+fn next_turn(s: &mut RunState, cx: &StepContext<'_>, kind: &'static str, data: Value) -> Transition {
     for text in s.queued_input.drain(..) {
         s.messages.push(Message::User { content: text });
     }
@@ -691,11 +644,7 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
                         "the model kept calling tools after it was told to give its final answer",
                     ),
                 );
-                return out(
-                    "model_replied",
-                    json!({ "decision": "tool_calls" }),
-                    effects,
-                );
+                return out("model_replied", json!({ "decision": "tool_calls" }), effects);
             }
             s.messages.push(Message::Assistant {
                 content: reply.text.clone(),
@@ -707,10 +656,7 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
                 .enumerate()
                 .map(|(i, c)| validate_call(s, i, c, cx))
                 .collect();
-            let invalid = batch
-                .iter()
-                .filter(|c| c.status == CallStatus::Done)
-                .count();
+            let invalid = batch.iter().filter(|c| c.status == CallStatus::Done).count();
             let valid = (batch.len() - invalid) as u32;
             let summary: Vec<Value> = batch.iter().map(call_summary).collect();
             s.calls = batch;
@@ -825,11 +771,7 @@ fn validate_call(
             cx.tools.validate(&c.name, v).err().map(|e| {
                 ToolError::new(
                     ToolErrorCode::InvalidArgument,
-                    format!(
-                        "at `{}`: {}",
-                        if e.path.is_empty() { "/" } else { &e.path },
-                        e.message
-                    ),
+                    format!("at `{}`: {}", if e.path.is_empty() { "/" } else { &e.path }, e.message),
                 )
             })
         }
@@ -952,10 +894,7 @@ fn on_model_failed(s: &mut RunState, error: ModelError, cx: &StepContext<'_>) ->
     if !error.kind.is_retryable() {
         let effects = fail(
             s,
-            RunError::new(
-                "model_rejected",
-                format!("the model refused the request: {}", error.message),
-            ),
+            RunError::new("model_rejected", format!("the model refused the request: {}", error.message)),
         );
         return out("model_failed", data, effects);
     }
@@ -965,10 +904,7 @@ fn on_model_failed(s: &mut RunState, error: ModelError, cx: &StepContext<'_>) ->
             s,
             RunError::new(
                 "model_unavailable",
-                format!(
-                    "the model failed {} times in a row: {}",
-                    s.model_retries, error.message
-                ),
+                format!("the model failed {} times in a row: {}", s.model_retries, error.message),
             ),
         );
         return out("model_failed", data, effects);
@@ -1057,11 +993,7 @@ fn on_verified(s: &mut RunState, verdict: Result<(), String>, cx: &StepContext<'
             s.status = Status::Succeeded;
             s.phase = None;
             s.output = s.candidate.take();
-            out(
-                "run_succeeded",
-                json!({ "output": s.output }),
-                vec![Effect::Finish],
-            )
+            out("run_succeeded", json!({ "output": s.output }), vec![Effect::Finish])
         }
         Err(reason) => {
             s.candidate = None;
@@ -1072,18 +1004,13 @@ fn on_verified(s: &mut RunState, verdict: Result<(), String>, cx: &StepContext<'
                     s,
                     RunError::new(
                         "verification_failed",
-                        format!(
-                            "the final answer was rejected {} times; last: {reason}",
-                            s.verify_rejections
-                        ),
+                        format!("the final answer was rejected {} times; last: {reason}", s.verify_rejections),
                     ),
                 );
                 return out("verification_rejected", data, effects);
             }
             s.messages.push(Message::User {
-                content: format!(
-                    "{NOTE} your final answer was rejected: {reason}. Fix it and answer again."
-                ),
+                content: format!("{NOTE} your final answer was rejected: {reason}. Fix it and answer again."),
             });
             next_turn(s, cx, "verification_rejected", data)
         }
@@ -1097,48 +1024,25 @@ fn approve(
     cx: &StepContext<'_>,
 ) -> Result<Transition, InvalidTransition> {
     let Some(c) = s.call(&call_id) else {
-        return Err(invalid(
-            s,
-            "unknown_call",
-            format!("no call {call_id} in this run"),
-        ));
+        return Err(invalid(s, "unknown_call", format!("no call {call_id} in this run")));
     };
-    if !matches!(
-        c.status,
-        CallStatus::AwaitingApproval | CallStatus::OutcomeUnknown
-    ) {
-        return Err(invalid(
-            s,
-            "invalid_state",
-            format!("call {call_id} is not awaiting approval"),
-        ));
+    if !matches!(c.status, CallStatus::AwaitingApproval | CallStatus::OutcomeUnknown) {
+        return Err(invalid(s, "invalid_state", format!("call {call_id} is not awaiting approval")));
     }
     if let Some(args) = &arguments {
         if !args.is_object() {
-            return Err(invalid(
-                s,
-                "invalid_argument",
-                "arguments must be a JSON object".into(),
-            ));
+            return Err(invalid(s, "invalid_argument", "arguments must be a JSON object".into()));
         }
         if let Err(e) = cx.tools.validate(&c.tool, args) {
             return Err(invalid(
                 s,
                 "invalid_argument",
-                format!(
-                    "at `{}`: {}",
-                    if e.path.is_empty() { "/" } else { &e.path },
-                    e.message
-                ),
+                format!("at `{}`: {}", if e.path.is_empty() { "/" } else { &e.path }, e.message),
             ));
         }
     }
     let (run, turn) = (s.id.clone(), s.turn);
-    let index = s
-        .calls
-        .iter()
-        .position(|c| c.call_id == call_id)
-        .unwrap_or(0);
+    let index = s.calls.iter().position(|c| c.call_id == call_id).unwrap_or(0);
     let edited = arguments.is_some();
     if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
         if let Some(args) = arguments {
@@ -1149,11 +1053,7 @@ fn approve(
         c.status = CallStatus::Ready;
     }
     let effects = advance_batch(s, cx);
-    let mut t = out(
-        "call_approved",
-        json!({ "call_id": call_id, "edited": edited }),
-        effects,
-    );
+    let mut t = out("call_approved", json!({ "call_id": call_id, "edited": edited }), effects);
     add_dispatched(s, &mut t);
     Ok(t)
 }
@@ -1165,29 +1065,19 @@ fn reject(
     cx: &StepContext<'_>,
 ) -> Result<Transition, InvalidTransition> {
     let Some(c) = s.call(&call_id) else {
-        return Err(invalid(
-            s,
-            "unknown_call",
-            format!("no call {call_id} in this run"),
-        ));
+        return Err(invalid(s, "unknown_call", format!("no call {call_id} in this run")));
     };
     let error = match c.status {
         CallStatus::AwaitingApproval => ToolError::new(
             ToolErrorCode::ApprovalDenied,
-            reason
-                .clone()
-                .unwrap_or_else(|| "an operator rejected this call".into()),
+            reason.clone().unwrap_or_else(|| "an operator rejected this call".into()),
         ),
         CallStatus::OutcomeUnknown => ToolError::new(
             ToolErrorCode::OutcomeUnknown,
             "the call may or may not have run; an operator chose not to send it again",
         ),
         _ => {
-            return Err(invalid(
-                s,
-                "invalid_state",
-                format!("call {call_id} is not awaiting approval"),
-            ));
+            return Err(invalid(s, "invalid_state", format!("call {call_id} is not awaiting approval")));
         }
     };
     if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
@@ -1195,11 +1085,7 @@ fn reject(
         c.result = Some(ToolResult::failure(error));
     }
     let effects = advance_batch(s, cx);
-    let mut t = out(
-        "call_rejected",
-        json!({ "call_id": call_id, "reason": reason }),
-        effects,
-    );
+    let mut t = out("call_rejected", json!({ "call_id": call_id, "reason": reason }), effects);
     add_dispatched(s, &mut t);
     Ok(t)
 }
@@ -1222,14 +1108,7 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
             // A verifying run always has a candidate; without one, ask the model again.
             s.phase = Some(Phase::AwaitingModel);
             let tool_choice = tool_choice(s);
-            out(
-                "run_resumed",
-                json!({}),
-                vec![Effect::CallModel {
-                    epoch: s.epoch,
-                    tool_choice,
-                }],
-            )
+            out("run_resumed", json!({}), vec![Effect::CallModel { epoch: s.epoch, tool_choice }])
         }
         Some(Phase::ExecutingTools | Phase::Reconciling) => {
             let mut effects = Vec::new();
@@ -1259,25 +1138,15 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
             }
             // Resends are not new tool calls: don't charge the budget twice.
             effects.extend(advance_batch(s, cx));
-            let mut t = out(
-                "run_resumed",
-                json!({ "outcome_unknown": unknown }),
-                effects,
-            );
+            let mut t = out("run_resumed", json!({ "outcome_unknown": unknown }), effects);
             add_dispatched(s, &mut t);
             t
         }
         _ => {
             s.phase = Some(Phase::AwaitingModel);
             let tool_choice = tool_choice(s);
-            out(
-                "run_resumed",
-                json!({}),
-                vec![Effect::CallModel {
-                    epoch: s.epoch,
-                    tool_choice,
-                }],
-            )
+            out("run_resumed", json!({}), vec![Effect::CallModel { epoch: s.epoch, tool_choice }])
         }
     }
 }
+

@@ -97,10 +97,7 @@ impl Progress {
             }
         }
         if policy.failure_limit > 0 && self.failure_streak >= policy.failure_limit {
-            signal.get_or_insert(format!(
-                "{} tool calls failed in a row",
-                self.failure_streak
-            ));
+            signal.get_or_insert(format!("{} tool calls failed in a row", self.failure_streak));
         }
         self.stale_turns = if changed { 0 } else { self.stale_turns + 1 };
         if policy.stale_turn_limit > 0 && self.stale_turns >= policy.stale_turn_limit {
@@ -145,18 +142,9 @@ mod tests {
         let mut t = Progress::default();
         assert_eq!(t.record_turn(&[call(1, true)], &p), Verdict::Continue);
         assert_eq!(t.record_turn(&[call(1, true)], &p), Verdict::Continue);
-        assert!(matches!(
-            t.record_turn(&[call(1, true)], &p),
-            Verdict::Nudge(_)
-        ));
-        assert!(matches!(
-            t.record_turn(&[call(1, true)], &p),
-            Verdict::ForceFinal(_)
-        ));
-        assert!(matches!(
-            t.record_turn(&[call(1, true)], &p),
-            Verdict::Fail(_)
-        ));
+        assert!(matches!(t.record_turn(&[call(1, true)], &p), Verdict::Nudge(_)));
+        assert!(matches!(t.record_turn(&[call(1, true)], &p), Verdict::ForceFinal(_)));
+        assert!(matches!(t.record_turn(&[call(1, true)], &p), Verdict::Fail(_)));
     }
 
     #[test]
@@ -175,9 +163,7 @@ mod tests {
         for f in 0..3 {
             assert_eq!(t.record_turn(&[call(f, false)], &p), Verdict::Continue);
         }
-        assert!(
-            matches!(t.record_turn(&[call(9, false)], &p), Verdict::Nudge(r) if r.contains("failed"))
-        );
+        assert!(matches!(t.record_turn(&[call(9, false)], &p), Verdict::Nudge(r) if r.contains("failed")));
     }
 
     #[test]

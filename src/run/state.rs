@@ -54,10 +54,7 @@ impl Status {
 impl std::str::FromStr for Status {
     type Err = ();
     fn from_str(s: &str) -> Result<Self, ()> {
-        Status::ALL
-            .into_iter()
-            .find(|st| st.as_str() == s)
-            .ok_or(())
+        Status::ALL.into_iter().find(|st| st.as_str() == s).ok_or(())
     }
 }
 
