@@ -6,7 +6,10 @@
 //! by `CheckpointStore::commit`, as one compare-and-set on the run's version, fenced by the
 //! writer's lease. No other write path exists for a live run.
 
+pub mod file;
+pub mod keys;
 pub mod memory;
+pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -197,6 +200,14 @@ pub trait CheckpointStore: Send + Sync + 'static {
 
     /// Cheap reachability check for `/readyz`.
     async fn ping(&self) -> Result<()>;
+
+    /// The store's epoch marker: a random id written once when the store (or Redis namespace)
+    /// is initialised. If it changes, or differs from the value the daemon recorded while it
+    /// knew of runs, the data was lost (e.g. Redis restarted empty) and runs must not be
+    /// restarted from scratch. Stores without a marker return an empty string.
+    async fn epoch(&self) -> Result<String> {
+        Ok(String::new())
+    }
 }
 
 /// Each run's event log (appended only through `CheckpointStore::commit`/`create`).
@@ -212,3 +223,97 @@ impl<T: CheckpointStore + EventLog> Store for T {}
 
 /// The store as the runtime holds it.
 pub type SharedStore = Arc<dyn Store>;
+
+/// Opens a store from a URL:
+/// - `memory:` — the in-memory store (nothing survives the process);
+/// - `file:<dir>` — the embedded file store in `<dir>/agentd.redb` (created if missing);
+/// - `redis://host:port/db`, `redis+unix:///path/to/sock` (also `unix:///…`), each optionally
+///   with `?ns=<prefix>` for the key namespace (default `agentd`).
+pub async fn open(url: &str) -> Result<SharedStore> {
+    if url == "memory:" || url == "memory://" {
+        return Ok(Arc::new(memory::MemoryStore::new()));
+    }
+    if let Some(dir) = url.strip_prefix("file:") {
+        let dir = dir.strip_prefix("//").unwrap_or(dir);
+        if dir.is_empty() {
+            return Err(Error::Unavailable(format!(
+                "store url {url:?}: file store needs a directory, e.g. file:./data"
+            )));
+        }
+        return Ok(Arc::new(file::FileStore::open(dir).await?));
+    }
+    if ["redis://", "redis+unix://", "unix://"]
+        .iter()
+        .any(|p| url.starts_with(p))
+    {
+        let (base, ns) = split_namespace(url);
+        let mut cfg = self::redis::RedisConfig::new(base);
+        if let Some(ns) = ns {
+            cfg = cfg.namespace(ns);
+        }
+        return Ok(Arc::new(self::redis::RedisStore::open(cfg).await?));
+    }
+    Err(Error::Unavailable(format!(
+        "unsupported store url {url:?} (expected memory:, file:<dir>, redis://host:port/db or \
+         redis+unix:///path)"
+    )))
+}
+
+/// Splits `?ns=…` off a Redis URL, keeping every other query parameter for the redis crate.
+fn split_namespace(url: &str) -> (String, Option<String>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), None);
+    };
+    let mut ns = None;
+    let rest: Vec<&str> = query
+        .split('&')
+        .filter(|kv| match kv.split_once('=') {
+            Some(("ns", v)) => {
+                ns = Some(v.to_owned());
+                false
+            }
+            _ => !kv.is_empty(),
+        })
+        .collect();
+    if rest.is_empty() {
+        (base.to_owned(), ns)
+    } else {
+        (format!("{base}?{}", rest.join("&")), ns)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_urls_lose_only_the_namespace_parameter() {
+        assert_eq!(
+            split_namespace("redis://h:1/2?ns=t1"),
+            ("redis://h:1/2".to_owned(), Some("t1".to_owned()))
+        );
+        assert_eq!(
+            split_namespace("redis+unix:///s.sock?db=3&ns=x&protocol=resp3"),
+            (
+                "redis+unix:///s.sock?db=3&protocol=resp3".to_owned(),
+                Some("x".to_owned())
+            )
+        );
+        assert_eq!(split_namespace("redis://h"), ("redis://h".to_owned(), None));
+    }
+
+    #[tokio::test]
+    async fn unknown_store_urls_are_rejected_clearly() {
+        for url in ["postgres://x", "file:", "", "mem"] {
+            let err = open(url)
+                .await
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains("store url"), "{url:?}: {err}");
+        }
+        let s = open("memory:").await.unwrap();
+        s.ping().await.unwrap();
+    }
+}

@@ -31,11 +31,23 @@ struct HeldLease {
 }
 
 /// An in-memory [`CheckpointStore`] + [`EventLog`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct MemoryStore {
     runs: DashMap<RunId, RunEntry>,
     /// (tenant, client key) → run.
     client_keys: DashMap<(String, String), RunId>,
+    /// Random per instance: a new process is a new (empty) store.
+    epoch: String,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore {
+            runs: DashMap::new(),
+            client_keys: DashMap::new(),
+            epoch: uuid::Uuid::new_v4().simple().to_string(),
+        }
+    }
 }
 
 impl MemoryStore {
@@ -65,6 +77,7 @@ impl CheckpointStore for MemoryStore {
         client_key: Option<&str>,
     ) -> Result<CreateOutcome> {
         let run = &checkpoint.run_id;
+        check_seq(run, 0, events)?;
         if let Some(key) = client_key {
             match self
                 .client_keys
@@ -76,8 +89,11 @@ impl CheckpointStore for MemoryStore {
                 }
             }
         }
-        check_seq(run, 0, events)?;
         let mut entry = self.runs.entry(run.clone()).or_default();
+        if entry.checkpoint.as_ref() == Some(checkpoint) && entry.events == events {
+            // A retry of a create that was applied (its reply lost).
+            return Ok(CreateOutcome::Created);
+        }
         if entry.checkpoint.is_some() {
             return Err(Error::VersionConflict {
                 run: run.clone(),
@@ -114,6 +130,13 @@ impl CheckpointStore for MemoryStore {
             });
         }
         let found = entry.checkpoint.as_ref().map_or(0, |c| c.version);
+        let last = entry.events.last().map_or(0, |e| e.seq);
+        // A retry of a commit that was applied (its reply lost) is not a conflict.
+        let replay = entry.checkpoint.as_ref() == Some(checkpoint)
+            && events.last().is_none_or(|e| e.seq == last);
+        if found != expected_version && replay {
+            return Ok(());
+        }
         if found != expected_version {
             return Err(Error::VersionConflict {
                 run: run.clone(),
@@ -121,7 +144,6 @@ impl CheckpointStore for MemoryStore {
                 found,
             });
         }
-        let last = entry.events.last().map_or(0, |e| e.seq);
         check_seq(run, last, events)?;
         entry.checkpoint = Some(checkpoint.clone());
         entry.events.extend_from_slice(events);
@@ -234,6 +256,10 @@ impl CheckpointStore for MemoryStore {
 
     async fn ping(&self) -> Result<()> {
         Ok(())
+    }
+
+    async fn epoch(&self) -> Result<String> {
+        Ok(self.epoch.clone())
     }
 }
 

@@ -1,5 +1,7 @@
-//! The single integration-test binary. Each module drives agentd the way its users do.
+//! The single integration-test binary; each module is one area (run `cargo test --test it`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod redis_support;
 mod runtime;
+mod store_contract;
 mod support;

@@ -1,0 +1,876 @@
+//! The store contract: every check is written once against `&dyn Store` and run for the memory,
+//! file (redb in a temp dir) and Redis stores; then Redis-only fault, concurrency and
+//! throughput tests, and file-store restart tests.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentd::ids::{CallId, RunId};
+use agentd::store::{
+    Checkpoint, CheckpointStore, Control, CreateOutcome, Error, EventLog, Lease, RunFilter,
+    SharedStore, Store,
+};
+
+use crate::redis_support::{ckpt, ev, eventually};
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// Fresh run ids in creation (= lexical) order.
+fn ids(n: usize) -> Vec<RunId> {
+    let mut v: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
+    v.sort();
+    v
+}
+
+async fn created(s: &dyn Store, tenant: &str) -> RunId {
+    let run = RunId::generate();
+    let out = s
+        .create(&ckpt(&run, tenant, 1), &[ev(1)], None)
+        .await
+        .unwrap();
+    assert_eq!(out, CreateOutcome::Created);
+    run
+}
+
+/// Commits `version → version + 1` with one event.
+async fn step(s: &dyn Store, lease: &Lease, c: &Checkpoint) -> Checkpoint {
+    let mut next = c.clone();
+    next.version += 1;
+    next.body = format!("{{\"v\":{}}}", next.version);
+    s.commit(lease, &next, c.version, &[ev(next.version)])
+        .await
+        .unwrap();
+    next
+}
+
+async fn create_and_idempotent_create(s: &dyn Store) {
+    let [a, b, c] = <[RunId; 3]>::try_from(ids(3)).unwrap();
+    let first = ckpt(&a, "t1", 1);
+    assert_eq!(
+        s.create(&first, &[ev(1)], Some("key-1")).await.unwrap(),
+        CreateOutcome::Created
+    );
+    assert_eq!(s.load(&a).await.unwrap(), Some(first.clone()));
+    assert_eq!(s.read(&a, 0, 10).await.unwrap(), vec![ev(1)]);
+
+    // Same tenant, same key: the first run, nothing written for the second.
+    assert_eq!(
+        s.create(&ckpt(&b, "t1", 1), &[ev(1)], Some("key-1"))
+            .await
+            .unwrap(),
+        CreateOutcome::Existing(a.clone())
+    );
+    assert_eq!(s.load(&b).await.unwrap(), None);
+    assert!(s.read(&b, 0, 10).await.unwrap().is_empty());
+
+    // Another tenant may use the same key.
+    assert_eq!(
+        s.create(&ckpt(&b, "t2", 1), &[ev(1)], Some("key-1"))
+            .await
+            .unwrap(),
+        CreateOutcome::Created
+    );
+
+    // Retrying an applied create (reply lost) succeeds and writes nothing new.
+    assert_eq!(
+        s.create(&first, &[ev(1)], None).await.unwrap(),
+        CreateOutcome::Created
+    );
+    assert_eq!(s.read(&a, 0, 10).await.unwrap(), vec![ev(1)]);
+
+    // Creating an existing run with other content is a conflict and changes nothing.
+    let mut other = first.clone();
+    other.body = "{}".into();
+    let err = s.create(&other, &[ev(1)], None).await.unwrap_err();
+    assert!(matches!(err, Error::VersionConflict { .. }), "{err:?}");
+    assert_eq!(s.load(&a).await.unwrap(), Some(first));
+
+    // A create whose events do not start at 1 writes nothing and does not use up its key.
+    let err = s
+        .create(&ckpt(&c, "t1", 1), &[ev(2)], Some("key-2"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        Error::SequenceGap {
+            run: c.clone(),
+            seq: 2
+        }
+    );
+    assert_eq!(s.load(&c).await.unwrap(), None);
+    assert_eq!(
+        s.create(&ckpt(&c, "t1", 1), &[ev(1)], Some("key-2"))
+            .await
+            .unwrap(),
+        CreateOutcome::Created
+    );
+}
+
+async fn commit_is_compare_and_set(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+    let v1 = s.load(&run).await.unwrap().unwrap();
+    let v2 = step(s, &lease, &v1).await;
+    assert_eq!(s.load(&run).await.unwrap(), Some(v2.clone()));
+
+    // A stale writer (expects 1) is rejected and nothing is written.
+    let mut stale = v1.clone();
+    stale.version = 2;
+    stale.body = "{\"stale\":true}".into();
+    let err = s.commit(&lease, &stale, 1, &[ev(2)]).await.unwrap_err();
+    assert_eq!(
+        err,
+        Error::VersionConflict {
+            run: run.clone(),
+            expected: 1,
+            found: 2
+        }
+    );
+    assert_eq!(s.load(&run).await.unwrap(), Some(v2.clone()));
+    assert_eq!(s.read(&run, 0, 10).await.unwrap(), vec![ev(1), ev(2)]);
+
+    // Retrying the applied commit (its reply was lost) is recognised, not a conflict.
+    s.commit(&lease, &v2, 1, &[ev(2)]).await.unwrap();
+    assert_eq!(s.read(&run, 0, 10).await.unwrap().len(), 2);
+
+    // Unknown run.
+    let ghost = RunId::generate();
+    let err = s
+        .commit(&lease, &ckpt(&ghost, "t1", 2), 1, &[ev(2)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound(_) | Error::Fenced { .. }),
+        "{err:?}"
+    );
+}
+
+async fn fencing(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let v1 = s.load(&run).await.unwrap().unwrap();
+
+    // No lease, no commit.
+    let fake = Lease {
+        run_id: run.clone(),
+        owner: "nobody".into(),
+        token: 1,
+    };
+    let err = s.commit(&fake, &ckpt(&run, "t1", 2), 1, &[ev(2)]).await;
+    assert!(matches!(err, Err(Error::Fenced { .. })), "{err:?}");
+
+    let first = s
+        .claim(&run, "node-a", Duration::from_millis(150))
+        .await
+        .unwrap();
+    // The same owner claiming again is a new incarnation (a restarted process or actor): it
+    // gets a larger token, which fences out the older one.
+    let a = s
+        .claim(&run, "node-a", Duration::from_millis(150))
+        .await
+        .unwrap();
+    assert!(a.token > first.token, "{} > {}", a.token, first.token);
+    let err = s.commit(&first, &ckpt(&run, "t1", 2), 1, &[ev(2)]).await;
+    assert!(matches!(err, Err(Error::Fenced { .. })), "{err:?}");
+    let err = s.claim(&run, "node-b", TTL).await.unwrap_err();
+    assert_eq!(
+        err,
+        Error::LeaseHeld {
+            run: run.clone(),
+            owner: "node-a".into()
+        }
+    );
+
+    // A's lease expires; B takes over with a larger token.
+    let b = eventually(
+        "node-a's lease to expire",
+        Duration::from_secs(5),
+        || async { s.claim(&run, "node-b", TTL).await.ok() },
+    )
+    .await;
+    assert!(b.token > a.token, "{} > {}", b.token, a.token);
+
+    // A is fenced and writes nothing; A cannot take the lease back while B holds it.
+    let err = s.commit(&a, &ckpt(&run, "t1", 2), 1, &[ev(2)]).await;
+    assert_eq!(
+        err,
+        Err(Error::Fenced {
+            run: run.clone(),
+            token: a.token
+        })
+    );
+    assert_eq!(s.load(&run).await.unwrap(), Some(v1.clone()));
+    assert_eq!(s.read(&run, 0, 10).await.unwrap().len(), 1);
+    let err = s.claim(&run, "node-a", TTL).await.unwrap_err();
+    assert!(matches!(err, Error::LeaseHeld { ref owner, .. } if owner == "node-b"));
+
+    // B writes; after B releases, B's token is dead too and the next owner's token is larger.
+    let v2 = step(s, &b, &v1).await;
+    s.release(&a).await.unwrap(); // a stale release is a no-op
+    step(s, &b, &v2).await;
+    s.release(&b).await.unwrap();
+    let err = s.commit(&b, &ckpt(&run, "t1", 4), 3, &[ev(4)]).await;
+    assert!(matches!(err, Err(Error::Fenced { .. })), "{err:?}");
+    let c = s.claim(&run, "node-c", TTL).await.unwrap();
+    assert!(c.token > b.token);
+
+    let ghost = RunId::generate();
+    assert_eq!(
+        s.claim(&ghost, "node-a", TTL).await.unwrap_err(),
+        Error::NotFound(ghost)
+    );
+}
+
+async fn event_seq_is_gap_free(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+    let v1 = s.load(&run).await.unwrap().unwrap();
+    let mut next = v1.clone();
+    next.version = 3;
+
+    let err = s.commit(&lease, &next, 1, &[ev(3)]).await.unwrap_err();
+    assert_eq!(
+        err,
+        Error::SequenceGap {
+            run: run.clone(),
+            seq: 3
+        }
+    );
+    let err = s
+        .commit(&lease, &next, 1, &[ev(2), ev(4)])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        Error::SequenceGap {
+            run: run.clone(),
+            seq: 4
+        }
+    );
+    let err = s.commit(&lease, &next, 1, &[ev(1)]).await.unwrap_err();
+    assert_eq!(
+        err,
+        Error::SequenceGap {
+            run: run.clone(),
+            seq: 1
+        }
+    );
+    // Nothing of the rejected commits was written.
+    assert_eq!(s.load(&run).await.unwrap(), Some(v1));
+    assert_eq!(s.read(&run, 0, 10).await.unwrap(), vec![ev(1)]);
+
+    s.commit(&lease, &next, 1, &[ev(2), ev(3)]).await.unwrap();
+    assert_eq!(
+        s.read(&run, 0, 10).await.unwrap(),
+        vec![ev(1), ev(2), ev(3)]
+    );
+    // A commit without events keeps the log as it is.
+    let mut v4 = next.clone();
+    v4.version = 4;
+    s.commit(&lease, &v4, 3, &[]).await.unwrap();
+    assert_eq!(s.read(&run, 0, 10).await.unwrap().len(), 3);
+}
+
+async fn read_after_and_limit(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+    let mut c = s.load(&run).await.unwrap().unwrap();
+    for _ in 0..9 {
+        c = step(s, &lease, &c).await;
+    }
+    let seqs = |v: Vec<agentd::store::EventRecord>| v.iter().map(|e| e.seq).collect::<Vec<_>>();
+    assert_eq!(
+        seqs(s.read(&run, 0, 100).await.unwrap()),
+        (1..=10).collect::<Vec<_>>()
+    );
+    assert_eq!(seqs(s.read(&run, 3, 4).await.unwrap()), vec![4, 5, 6, 7]);
+    assert_eq!(seqs(s.read(&run, 9, 4).await.unwrap()), vec![10]);
+    assert!(s.read(&run, 10, 5).await.unwrap().is_empty());
+    assert!(s.read(&run, 0, 0).await.unwrap().is_empty());
+    assert!(s.read(&RunId::generate(), 0, 5).await.unwrap().is_empty());
+    assert_eq!(s.read(&run, 1, 1).await.unwrap(), vec![ev(2)]);
+}
+
+async fn active_index_follows_terminal(s: &dyn Store) {
+    let [a, b, done] = <[RunId; 3]>::try_from(ids(3)).unwrap();
+    for r in [&a, &b] {
+        s.create(&ckpt(r, "t1", 1), &[ev(1)], None).await.unwrap();
+    }
+    let mut finished = ckpt(&done, "t1", 1);
+    finished.terminal = true;
+    finished.status = "succeeded".into();
+    s.create(&finished, &[ev(1)], None).await.unwrap();
+    let active = |v: Vec<RunId>| v.into_iter().collect::<HashSet<_>>();
+    let mine: HashSet<RunId> = [a.clone(), b.clone()].into();
+    assert!(active(s.active_runs().await.unwrap()).is_superset(&mine));
+    assert!(!s.active_runs().await.unwrap().contains(&done));
+
+    let lease = s.claim(&a, "node-a", TTL).await.unwrap();
+    let mut end = ckpt(&a, "t1", 2);
+    end.terminal = true;
+    end.status = "failed".into();
+    s.commit(&lease, &end, 1, &[ev(2)]).await.unwrap();
+    let now = s.active_runs().await.unwrap();
+    assert!(!now.contains(&a));
+    assert!(now.contains(&b));
+    let mut sorted = now.clone();
+    sorted.sort();
+    assert_eq!(now, sorted, "active_runs is sorted");
+}
+
+async fn list_runs_isolation_filters_and_cursor(s: &dyn Store) {
+    let tenant = format!("acme:{{x}}*{}", uuid::Uuid::new_v4().simple());
+    let other = format!("other-{}", uuid::Uuid::new_v4().simple());
+    let runs = ids(7);
+    for (i, r) in runs.iter().enumerate() {
+        let mut c = ckpt(r, &tenant, 1);
+        c.agent = if i % 2 == 0 { "even" } else { "odd" }.into();
+        if i == 3 {
+            c.status = "waiting_input".into();
+        }
+        s.create(&c, &[ev(1)], None).await.unwrap();
+    }
+    let theirs = ids(2);
+    for r in &theirs {
+        s.create(&ckpt(r, &other, 1), &[ev(1)], None).await.unwrap();
+    }
+
+    // Newest first, paged with the cursor, no duplicates, no gaps.
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let page = s
+            .list_runs(&tenant, &RunFilter::default(), cursor.as_deref(), 3)
+            .await
+            .unwrap();
+        pages += 1;
+        assert!(page.items.len() <= 3);
+        seen.extend(page.items.iter().map(|c| c.run_id.clone()));
+        match page.next_cursor {
+            Some(c) => cursor = Some(c),
+            None => break,
+        }
+        assert!(pages < 10, "pagination does not end");
+    }
+    let mut expected = runs.clone();
+    expected.reverse();
+    assert_eq!(seen, expected);
+    assert_eq!(pages, 3);
+
+    // Filters.
+    let odd = s
+        .list_runs(
+            &tenant,
+            &RunFilter {
+                agent: Some("odd".into()),
+                status: None,
+            },
+            None,
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        odd.items
+            .iter()
+            .map(|c| c.run_id.clone())
+            .collect::<Vec<_>>(),
+        vec![runs[5].clone(), runs[3].clone(), runs[1].clone()]
+    );
+    assert!(odd.next_cursor.is_none());
+    let waiting = s
+        .list_runs(
+            &tenant,
+            &RunFilter {
+                status: Some("waiting_input".into()),
+                agent: Some("odd".into()),
+            },
+            None,
+            10,
+        )
+        .await
+        .unwrap();
+    assert_eq!(waiting.items.len(), 1);
+    assert_eq!(waiting.items[0].run_id, runs[3]);
+    let filtered_page = s
+        .list_runs(
+            &tenant,
+            &RunFilter {
+                agent: Some("even".into()),
+                status: None,
+            },
+            None,
+            2,
+        )
+        .await
+        .unwrap();
+    assert_eq!(filtered_page.items.len(), 2);
+    let rest = s
+        .list_runs(
+            &tenant,
+            &RunFilter {
+                agent: Some("even".into()),
+                status: None,
+            },
+            filtered_page.next_cursor.as_deref(),
+            2,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        rest.items
+            .iter()
+            .map(|c| c.run_id.clone())
+            .collect::<Vec<_>>(),
+        vec![runs[2].clone(), runs[0].clone()]
+    );
+    assert!(rest.next_cursor.is_none());
+
+    // Isolation.
+    let page = s
+        .list_runs(&other, &RunFilter::default(), None, 10)
+        .await
+        .unwrap();
+    let mut theirs_desc = theirs.clone();
+    theirs_desc.reverse();
+    assert_eq!(
+        page.items
+            .iter()
+            .map(|c| c.run_id.clone())
+            .collect::<Vec<_>>(),
+        theirs_desc
+    );
+    let none = s
+        .list_runs("nobody-here", &RunFilter::default(), None, 10)
+        .await
+        .unwrap();
+    assert!(none.items.is_empty() && none.next_cursor.is_none());
+}
+
+async fn controls_inbox_keeps_order(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let msgs = vec![
+        Control::Input { text: "hi".into() },
+        Control::Approve {
+            call_id: CallId::new(1, 0),
+            arguments: None,
+        },
+        Control::Cancel {
+            reason: Some("done".into()),
+        },
+    ];
+    for (i, m) in msgs.iter().enumerate() {
+        assert_eq!(s.push_control(&run, m).await.unwrap(), i as u64 + 1);
+    }
+    let all = s.controls(&run, 0).await.unwrap();
+    assert_eq!(all.iter().map(|c| c.seq).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert_eq!(
+        all.iter().map(|c| c.control.clone()).collect::<Vec<_>>(),
+        msgs
+    );
+    assert!(all.iter().all(|c| c.at_ms > 0));
+    let tail = s.controls(&run, 2).await.unwrap();
+    assert_eq!(tail.len(), 1);
+    assert_eq!(tail[0].seq, 3);
+    assert!(s.controls(&run, 3).await.unwrap().is_empty());
+    let ghost = RunId::generate();
+    assert_eq!(
+        s.push_control(&ghost, &msgs[0]).await.unwrap_err(),
+        Error::NotFound(ghost.clone())
+    );
+    assert!(s.controls(&ghost, 0).await.unwrap().is_empty());
+}
+
+async fn epoch_marker_is_stable(s: &dyn Store) {
+    let e1 = s.epoch().await.unwrap();
+    assert!(!e1.is_empty());
+    s.ping().await.unwrap();
+    assert_eq!(s.epoch().await.unwrap(), e1);
+}
+
+/// Two writers holding the same lease race on every version: exactly one wins each.
+async fn racing_writers_one_wins_each_version(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+    for v in 1..=20u64 {
+        let attempt = |who: &str| {
+            let mut c = ckpt(&run, "t1", v + 1);
+            c.body = format!("{{\"writer\":\"{who}\"}}");
+            c
+        };
+        let (x, y) = (attempt("x"), attempt("y"));
+        let events = [ev(v + 1)];
+        let (rx, ry) = tokio::join!(
+            s.commit(&lease, &x, v, &events),
+            s.commit(&lease, &y, v, &events)
+        );
+        let wins = [&rx, &ry].iter().filter(|r| r.is_ok()).count();
+        assert_eq!(wins, 1, "version {v}: {rx:?} / {ry:?}");
+        for r in [rx, ry] {
+            if let Err(e) = r {
+                assert!(matches!(e, Error::VersionConflict { found, .. } if found == v + 1));
+            }
+        }
+    }
+    assert_eq!(s.read(&run, 0, 100).await.unwrap().len(), 21);
+}
+
+macro_rules! contract {
+    ($($check:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $check() {
+                    let s = agentd::store::memory::MemoryStore::new();
+                    super::$check(&s).await;
+                }
+            )*
+        }
+        mod file {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $check() {
+                    let dir = tempfile::tempdir().unwrap();
+                    let s = agentd::store::file::FileStore::open(dir.path()).await.unwrap();
+                    super::$check(&s).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $check() {
+                    let Some(s) = crate::redis_support::shared_redis(|c| c).await else { return };
+                    super::$check(&s).await;
+                    crate::redis_support::drop_namespace(s.keys().namespace()).await;
+                }
+            )*
+        }
+    };
+}
+
+contract!(
+    create_and_idempotent_create,
+    commit_is_compare_and_set,
+    fencing,
+    event_seq_is_gap_free,
+    read_after_and_limit,
+    active_index_follows_terminal,
+    list_runs_isolation_filters_and_cursor,
+    controls_inbox_keeps_order,
+    epoch_marker_is_stable,
+    racing_writers_one_wins_each_version,
+);
+
+/// The URL factory opens each kind.
+#[tokio::test]
+async fn factory_opens_each_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file:{}", dir.path().join("data").display());
+    let s: SharedStore = agentd::store::open(&url).await.unwrap();
+    created(&*s, "t1").await;
+    assert!(dir.path().join("data").join("agentd.redb").exists());
+    agentd::store::open("memory:")
+        .await
+        .unwrap()
+        .ping()
+        .await
+        .unwrap();
+
+    let Some(redis) = crate::redis_support::PrivateRedis::start().await else {
+        return;
+    };
+    let s = agentd::store::open(&format!("{}?ns=factory-test", redis.url()))
+        .await
+        .unwrap();
+    let run = created(&*s, "t1").await;
+    // The namespace parameter reached the key layout.
+    let client = ::redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let exists: bool = ::redis::cmd("EXISTS")
+        .arg(format!("factory-test:{{run:{run}}}:ckpt"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(exists);
+    let err = agentd::store::open("redis://127.0.0.1:6379/0?ns=bad:ns")
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("namespace"), "{err}");
+}
+
+mod file_store {
+    use super::*;
+    use agentd::store::file::FileStore;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn survives_reopen_and_tokens_never_go_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, token, epoch, last) = {
+            let s = FileStore::open(dir.path()).await.unwrap();
+            let run = created(&s, "t1").await;
+            let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+            let c = s.load(&run).await.unwrap().unwrap();
+            let last = step(&s, &lease, &c).await;
+            s.push_control(&run, &Control::Input { text: "x".into() })
+                .await
+                .unwrap();
+            (run, lease.token, s.epoch().await.unwrap(), last)
+        };
+        let s = FileStore::open(dir.path()).await.unwrap();
+        assert_eq!(s.epoch().await.unwrap(), epoch);
+        assert_eq!(s.load(&run).await.unwrap(), Some(last));
+        assert_eq!(s.read(&run, 0, 10).await.unwrap().len(), 2);
+        assert_eq!(s.controls(&run, 0).await.unwrap().len(), 1);
+        assert_eq!(s.active_runs().await.unwrap(), vec![run.clone()]);
+        // The old process's lease is void, but its token is not reused.
+        let lease = s.claim(&run, "node-b", TTL).await.unwrap();
+        assert!(lease.token > token);
+        let old = Lease {
+            run_id: run.clone(),
+            owner: "node-a".into(),
+            token,
+        };
+        let err = s.commit(&old, &ckpt(&run, "t1", 3), 2, &[ev(3)]).await;
+        assert!(matches!(err, Err(Error::Fenced { .. })));
+    }
+
+    #[tokio::test]
+    async fn a_new_directory_gets_a_new_epoch() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let ea = FileStore::open(a.path())
+            .await
+            .unwrap()
+            .epoch()
+            .await
+            .unwrap();
+        let eb = FileStore::open(b.path())
+            .await
+            .unwrap()
+            .epoch()
+            .await
+            .unwrap();
+        assert_ne!(ea, eb);
+    }
+}
+
+mod redis_faults {
+    use super::*;
+    use crate::redis_support::PrivateRedis;
+    use agentd::store::redis::{RedisConfig, RedisStore};
+
+    const OP_TIMEOUT: Duration = Duration::from_secs(1);
+    /// Slack over the op timeout for an operation to report failure.
+    const BOUND: Duration = Duration::from_secs(3);
+
+    async fn open(redis: &PrivateRedis) -> RedisStore {
+        RedisStore::open(
+            RedisConfig::new(redis.url())
+                .namespace("faults")
+                .op_timeout(OP_TIMEOUT),
+        )
+        .await
+        .unwrap()
+    }
+
+    async fn assert_unavailable<T: std::fmt::Debug>(
+        what: &str,
+        f: impl std::future::Future<Output = agentd::store::Result<T>>,
+    ) {
+        let start = Instant::now();
+        let r = f.await;
+        let took = start.elapsed();
+        assert!(
+            matches!(r, Err(Error::Unavailable(_))),
+            "{what}: expected Unavailable, got {r:?}"
+        );
+        assert!(took < BOUND, "{what}: took {took:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn server_down_is_unavailable_then_recovers_with_a_new_epoch() {
+        let Some(mut redis) = PrivateRedis::start().await else {
+            return;
+        };
+        let s = open(&redis).await;
+        let epoch = s.epoch().await.unwrap();
+        let run = created(&s, "t1").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+
+        redis.kill();
+        assert_unavailable("ping", s.ping()).await;
+        assert_unavailable("load", s.load(&run)).await;
+        assert_unavailable(
+            "commit",
+            s.commit(&lease, &ckpt(&run, "t1", 2), 1, &[ev(2)]),
+        )
+        .await;
+        assert_unavailable("claim", s.claim(&run, "node-a", TTL)).await;
+        assert_unavailable("read", s.read(&run, 0, 10)).await;
+
+        // Redis comes back empty: the manager reconnects, and the epoch marker says the data is
+        // gone.
+        redis.restart().await;
+        eventually(
+            "the store to reconnect",
+            Duration::from_secs(15),
+            || async { s.ping().await.ok() },
+        )
+        .await;
+        let after = s.epoch().await.unwrap();
+        assert_ne!(after, epoch, "an empty Redis must show a new epoch");
+        assert_eq!(s.load(&run).await.unwrap(), None);
+        // Everything works again, scripts included (NOSCRIPT is handled).
+        let run2 = created(&s, "t1").await;
+        let lease2 = s.claim(&run2, "node-a", TTL).await.unwrap();
+        let c = s.load(&run2).await.unwrap().unwrap();
+        step(&s, &lease2, &c).await;
+        assert_eq!(s.epoch().await.unwrap(), after);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hung_server_times_out_then_recovers() {
+        let Some(redis) = PrivateRedis::start().await else {
+            return;
+        };
+        let s = open(&redis).await;
+        let run = created(&s, "t1").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+        let epoch = s.epoch().await.unwrap();
+
+        redis.signal("STOP");
+        assert_unavailable("ping", s.ping()).await;
+        assert_unavailable(
+            "commit",
+            s.commit(&lease, &ckpt(&run, "t1", 2), 1, &[ev(2)]),
+        )
+        .await;
+        redis.signal("CONT");
+
+        eventually(
+            "the store to answer again",
+            Duration::from_secs(15),
+            || async { s.ping().await.ok() },
+        )
+        .await;
+        // The timed-out commit may or may not have been applied: retrying it is safe.
+        s.commit(&lease, &ckpt(&run, "t1", 2), 1, &[ev(2)])
+            .await
+            .unwrap();
+        assert_eq!(s.read(&run, 0, 10).await.unwrap().len(), 2);
+        assert_eq!(s.epoch().await.unwrap(), epoch, "same server, same epoch");
+    }
+}
+
+mod redis_concurrency {
+    use super::*;
+    use crate::redis_support::{drop_namespace, shared_redis};
+    use agentd::store::redis::RedisStore;
+
+    /// `runs` runs, each committing `commits` times, all concurrently. Returns commits/s.
+    async fn drive(s: Arc<RedisStore>, runs: usize, commits: u64, body: usize) -> f64 {
+        let mut setup = tokio::task::JoinSet::new();
+        for _ in 0..runs {
+            let s = s.clone();
+            setup.spawn(async move {
+                let run = created(&*s, "bench").await;
+                let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+                (run, lease)
+            });
+        }
+        let leased = setup.join_all().await;
+        let start = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (run, lease) in leased {
+            let s = s.clone();
+            tasks.spawn(async move {
+                let mut c = ckpt(&run, "bench", 1);
+                for _ in 0..commits {
+                    let mut next = c.clone();
+                    next.version += 1;
+                    next.body = format!(
+                        "{{\"v\":{},\"pad\":\"{}\"}}",
+                        next.version,
+                        "x".repeat(body)
+                    );
+                    s.commit(&lease, &next, c.version, &[ev(next.version)])
+                        .await
+                        .unwrap();
+                    c = next;
+                }
+                (run, c.version)
+            });
+        }
+        let done = tasks.join_all().await;
+        let rate = (runs as u64 * commits) as f64 / start.elapsed().as_secs_f64();
+        for (run, v) in &done {
+            assert_eq!(*v, commits + 1);
+            assert_eq!(s.load(run).await.unwrap().unwrap().version, commits + 1);
+        }
+        let (run, _) = &done[0];
+        assert_eq!(
+            s.read(run, 0, 1000).await.unwrap().len() as u64,
+            commits + 1
+        );
+        rate
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_runs_commit_concurrently_through_group_commit() {
+        let Some(s) = shared_redis(|c| c).await else {
+            return;
+        };
+        let ns = s.keys().namespace().to_owned();
+        drive(Arc::new(s), 200, 5, 100).await;
+        drop_namespace(&ns).await;
+    }
+
+    /// Prints commits/s with and without group commit (set `STORE_BENCH_RUNS`, default 1000,
+    /// `STORE_BENCH_COMMITS`, default 10, `STORE_BENCH_BODY` bytes of checkpoint body, default
+    /// 2048). Figures only; nothing is asserted on timing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn throughput_figures() {
+        let runs = std::env::var("STORE_BENCH_RUNS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000);
+        let commits = std::env::var("STORE_BENCH_COMMITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10);
+        let body = std::env::var("STORE_BENCH_BODY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2048);
+        for group in [true, false] {
+            let Some(s) = shared_redis(|c| c.group_commit(group)).await else {
+                return;
+            };
+            let ns = s.keys().namespace().to_owned();
+            let rate = drive(Arc::new(s), runs, commits, body).await;
+            eprintln!(
+                "redis store: {runs} runs x {commits} commits of {body} B bodies, \
+                 group_commit={group}: {rate:.0} commits/s"
+            );
+            drop_namespace(&ns).await;
+        }
+        // One commit at a time: the round-trip bound.
+        let Some(s) = shared_redis(|c| c.group_commit(false)).await else {
+            return;
+        };
+        let run = created(&s, "bench").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+        let mut c = ckpt(&run, "bench", 1);
+        let n = 2000;
+        let start = Instant::now();
+        for _ in 0..n {
+            c = step(&s, &lease, &c).await;
+        }
+        let rate = f64::from(n) / start.elapsed().as_secs_f64();
+        eprintln!("redis store: 1 run x {n} sequential commits: {rate:.0} commits/s");
+        drop_namespace(s.keys().namespace()).await;
+    }
+}
