@@ -8,9 +8,11 @@
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
 
 pub mod clock;
+pub mod context;
 pub mod idempotency;
 pub mod ids;
 pub mod model;
+pub mod redact;
 pub mod run;
 pub mod store;
 pub mod tool;

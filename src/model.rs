@@ -6,6 +6,7 @@
 
 // pub mod gateway;
 // pub mod scripted;
+pub mod openai;
 
 use std::time::Duration;
 
