@@ -62,6 +62,17 @@ pub struct HttpTool {
     url: reqwest::Url,
     status_url: Option<reqwest::Url>,
     client: reqwest::Client,
+    bearer_token: Option<BearerToken>,
+}
+
+/// A token sent as `Authorization: Bearer …` to the tool server. Its `Debug` hides it.
+#[derive(Clone)]
+struct BearerToken(String);
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BearerToken([redacted])")
+    }
 }
 
 impl HttpTool {
@@ -93,7 +104,21 @@ impl HttpTool {
             url,
             status_url,
             client,
+            bearer_token: None,
         })
+    }
+
+    /// Sends `Authorization: Bearer <token>` on calls and status queries. Never logged.
+    pub fn with_bearer_token(mut self, token: impl Into<String>) -> Self {
+        self.bearer_token = Some(BearerToken(token.into()));
+        self
+    }
+
+    fn authorized(&self, builder: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.bearer_token {
+            Some(BearerToken(token)) => builder.bearer_auth(token),
+            None => builder,
+        }
     }
 
     /// Shares a client (and its connection pool) between tools. The client should not follow
@@ -139,8 +164,7 @@ impl HttpTool {
             "call_id": ctx.call_id.as_str(),
         });
         let mut response = self
-            .client
-            .post(self.url.clone())
+            .authorized(self.client.post(self.url.clone()))
             .timeout(self.spec.timeout)
             .header("Idempotency-Key", &ctx.idempotency_key)
             .json(&body)
@@ -197,8 +221,7 @@ impl Tool for HttpTool {
             ));
         };
         let request = self
-            .client
-            .get(url.clone())
+            .authorized(self.client.get(url.clone()))
             .timeout(self.spec.timeout)
             .header("Idempotency-Key", &ctx.idempotency_key)
             .send();

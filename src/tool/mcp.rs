@@ -147,6 +147,9 @@ type Client = RunningService<RoleClient, ()>;
 struct Conn {
     client: Option<Client>,
     pid: Option<u32>,
+    /// Bumped on every (re)connection, so a late failure report about an old connection
+    /// cannot close a fresh one.
+    generation: u64,
     failed_reconnects: u32,
     retry_at: Option<Instant>,
 }
@@ -201,6 +204,7 @@ impl McpServer {
             conn: Mutex::new(Conn {
                 client: Some(client),
                 pid,
+                generation: 0,
                 failed_reconnects: 0,
                 retry_at: None,
             }),
@@ -228,7 +232,7 @@ impl McpServer {
             server: self.config.name.clone(),
             message,
         };
-        let peer = self.peer().await.map_err(|e| list_error(e.message))?;
+        let (peer, _) = self.peer().await.map_err(|e| list_error(e.message))?;
         let remote = tokio::time::timeout(self.config.startup_timeout, peer.list_all_tools())
             .await
             .map_err(|_| {
@@ -303,14 +307,15 @@ impl McpServer {
         })
     }
 
-    /// A live peer, reconnecting if the transport closed (subject to backoff).
-    async fn peer(&self) -> Result<Peer<RoleClient>, ToolError> {
+    /// A live peer and its connection generation, reconnecting if the transport closed
+    /// (subject to backoff).
+    async fn peer(&self) -> Result<(Peer<RoleClient>, u64), ToolError> {
         let mut conn = self.conn.lock().await;
         if let Some(client) = &conn.client
             && !client.is_closed()
             && !client.peer().is_transport_closed()
         {
-            return Ok(client.peer().clone());
+            return Ok((client.peer().clone(), conn.generation));
         }
         if let Some(at) = conn.retry_at
             && Instant::now() < at
@@ -333,10 +338,11 @@ impl McpServer {
                 let peer = client.peer().clone();
                 conn.client = Some(client);
                 conn.pid = pid;
+                conn.generation += 1;
                 conn.failed_reconnects = 0;
                 conn.retry_at = None;
                 self.restarts.fetch_add(1, Ordering::Relaxed);
-                Ok(peer)
+                Ok((peer, conn.generation))
             }
             Err(message) => {
                 let exp = conn.failed_reconnects.min(16);
@@ -358,11 +364,14 @@ impl McpServer {
         }
     }
 
-    /// Marks the connection dead so that the next call reconnects.
-    async fn mark_dead(&self) {
+    /// Marks connection `generation` dead so that the next call reconnects. A newer
+    /// connection is left alone.
+    async fn mark_dead(&self, generation: u64) {
         let mut conn = self.conn.lock().await;
-        conn.client = None;
-        conn.pid = None;
+        if conn.generation == generation {
+            conn.client = None;
+            conn.pid = None;
+        }
     }
 
     /// Closes the connection (for stdio: closes stdin, waits, then kills the child).
@@ -472,7 +481,7 @@ impl McpTool {
         }
     }
 
-    async fn service_error(&self, e: ServiceError) -> ToolError {
+    async fn service_error(&self, e: ServiceError, generation: u64) -> ToolError {
         match e {
             ServiceError::McpError(data) => {
                 let code = if data.code == ErrorCode::INVALID_PARAMS {
@@ -483,7 +492,7 @@ impl McpTool {
                 ToolError::new(code, bounded(&data.message))
             }
             ServiceError::TransportClosed | ServiceError::TransportSend(_) => {
-                self.server.mark_dead().await;
+                self.server.mark_dead(generation).await;
                 ToolError::new(
                     self.maybe_applied(),
                     "the connection to the MCP server was lost during the call",
@@ -535,7 +544,7 @@ impl Tool for McpTool {
                 ));
             }
         };
-        let peer = self.server.peer().await?;
+        let (peer, generation) = self.server.peer().await?;
         let mut params = CallToolRequestParams::new(self.remote_name.clone());
         if let Some(args) = arguments {
             params = params.with_arguments(args);
@@ -555,7 +564,7 @@ impl Tool for McpTool {
                     format!("no reply within {timeout:?}"),
                 ));
             }
-            Ok(Err(e)) => return Err(self.service_error(e).await),
+            Ok(Err(e)) => return Err(self.service_error(e, generation).await),
             Ok(Ok(result)) => result,
         };
         if result.is_error == Some(true) {

@@ -107,6 +107,7 @@ pub struct RecordedRequest {
 #[derive(Default)]
 struct OpenAiState {
     script: Mutex<VecDeque<Scripted>>,
+    fallback: Mutex<Option<Scripted>>,
     requests: Mutex<Vec<RecordedRequest>>,
 }
 
@@ -146,6 +147,12 @@ impl FakeOpenAi {
         self.state.requests.lock().unwrap().len()
     }
 
+    /// The reply given when the script is empty (default: `500 no scripted reply left`).
+    pub fn set_fallback(&self, reply: Scripted) -> &Self {
+        *self.state.fallback.lock().unwrap() = Some(reply);
+        self
+    }
+
     /// Scripted replies not yet consumed.
     pub fn remaining(&self) -> usize {
         self.state.script.lock().unwrap().len()
@@ -168,6 +175,7 @@ async fn chat(State(state): State<Arc<OpenAiState>>, headers: HeaderMap, body: S
             .map(str::to_owned),
     });
     let next = state.script.lock().unwrap().pop_front();
+    let next = next.or_else(|| state.fallback.lock().unwrap().clone());
     match next {
         None => (StatusCode::INTERNAL_SERVER_ERROR, "no scripted reply left").into_response(),
         Some(Scripted::Completion(v)) => axum::Json(v).into_response(),
@@ -219,6 +227,7 @@ pub enum ToolBehavior {
 #[derive(Debug, Clone)]
 pub struct ToolRequest {
     pub idempotency_key: Option<String>,
+    pub authorization: Option<String>,
     pub body: Value,
 }
 
@@ -325,6 +334,10 @@ async fn tool_call(
     let key = key_of(&headers);
     state.requests.lock().unwrap().push(ToolRequest {
         idempotency_key: key.clone(),
+        authorization: headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
         body: body.clone(),
     });
     let Some(key) = key else {

@@ -45,8 +45,9 @@ async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
 #[tokio::test]
 async fn success_sends_the_contract_and_returns_the_json() {
     let server = ToolServer::start().await;
-    let t = tool(&server, ToolEffect::Unsafe);
+    let t = tool(&server, ToolEffect::Unsafe).with_bearer_token("tool-token-123");
     assert!(t.spec().reconcilable);
+    assert!(!format!("{t:?}").contains("tool-token-123"));
     let c = ctx("key-1");
     let out = bounded(t.call(&c, json!({"service": "api"})))
         .await
@@ -56,6 +57,10 @@ async fn success_sends_the_contract_and_returns_the_json() {
     let reqs = server.requests();
     assert_eq!(reqs.len(), 1);
     assert_eq!(reqs[0].idempotency_key.as_deref(), Some("key-1"));
+    assert_eq!(
+        reqs[0].authorization.as_deref(),
+        Some("Bearer tool-token-123")
+    );
     assert_eq!(
         reqs[0].body,
         json!({"tool": "restart_service", "arguments": {"service": "api"},
