@@ -202,8 +202,15 @@ fn range_reference(seqs: Option<&[u64]>, range: &std::ops::Range<usize>) -> Stri
     }
 }
 
-/// Whether a tool message's envelope says `ok: false`.
+/// Whether a tool message's envelope says `ok: false`. Envelopes serialize `ok` first, so
+/// the prefix usually decides without parsing.
 fn tool_failed(content: &str) -> bool {
+    if content.starts_with(r#"{"ok":false"#) {
+        return true;
+    }
+    if content.starts_with(r#"{"ok":true"#) || !content.trim_start().starts_with('{') {
+        return false;
+    }
     serde_json::from_str::<serde_json::Value>(content)
         .ok()
         .and_then(|v| v.get("ok").and_then(serde_json::Value::as_bool))
@@ -297,69 +304,48 @@ pub fn build_context_detailed(input: &ContextInput<'_>, budget: &ContextBudget) 
         + estimate_message_tokens(&goal)
         + obligations.as_ref().map_or(0, estimate_message_tokens);
 
-    // Every unit in its verbatim form (tool outputs already cut).
+    // Walk the units newest-first, rendering each (tool outputs cut) only as far as needed:
+    // everything fits without a note → keep all; otherwise keep what fits beside the note.
     let units = group_units(history);
-    let mut truncated_outputs = 0;
-    let rendered: Vec<Vec<Message>> = units
-        .iter()
-        .map(|u| {
-            if !u.keepable {
-                return Vec::new();
-            }
-            (u.start..u.end)
-                .map(|i| {
-                    let (m, cut) = cut_tool_output(
-                        &history[i],
-                        budget.max_tool_output_bytes,
-                        &reference(seqs, i),
-                    );
-                    truncated_outputs += usize::from(cut);
-                    m
-                })
-                .collect()
-        })
-        .collect();
-    let costs: Vec<usize> = rendered
-        .iter()
-        .map(|m| estimate_messages_tokens(m))
-        .collect();
-
-    // Choose the window: the newest units, newest first, while they fit.
-    let total: usize = costs.iter().sum();
-    let all_keepable = units.iter().all(|u| u.keepable);
-    let first_kept = if all_keepable && fixed + total <= budget.max_tokens {
-        0
-    } else {
-        let available = budget
-            .max_tokens
-            .saturating_sub(fixed)
-            .saturating_sub(NOTE_RESERVE_TOKENS);
-        let mut used = 0;
-        let mut first = units.len();
-        for (k, cost) in costs.iter().enumerate().rev() {
-            if !units[k].keepable {
-                break;
-            }
-            let is_newest = k + 1 == units.len();
-            if !is_newest && used + cost > available {
-                break;
-            }
-            used += cost;
-            first = k;
+    let without_note = budget.max_tokens.saturating_sub(fixed);
+    let with_note = without_note.saturating_sub(NOTE_RESERVE_TOKENS);
+    let mut window: Vec<(Vec<Message>, usize)> = Vec::new(); // newest first: (messages, cuts)
+    let mut used = 0;
+    let mut fits_with_note = 0; // how many of `window` fit beside the note
+    let mut all_fit = true;
+    for (k, unit) in units.iter().enumerate().rev() {
+        if !unit.keepable {
+            all_fit = false;
+            break;
         }
-        first
-    };
-    // Truncation counts only what is actually sent.
-    let truncated_outputs = if first_kept == 0 {
-        truncated_outputs
-    } else {
-        rendered[first_kept..]
-            .iter()
-            .flatten()
-            .zip(units[first_kept..].iter().flat_map(|u| u.start..u.end))
-            .filter(|(m, i)| *m != &history[*i])
-            .count()
-    };
+        let mut cuts = 0;
+        let rendered: Vec<Message> = (unit.start..unit.end)
+            .map(|i| {
+                let (m, cut) = cut_tool_output(
+                    &history[i],
+                    budget.max_tool_output_bytes,
+                    &reference(seqs, i),
+                );
+                cuts += usize::from(cut);
+                m
+            })
+            .collect();
+        used += estimate_messages_tokens(&rendered);
+        let is_newest = k + 1 == units.len();
+        if is_newest || used <= with_note {
+            fits_with_note = window.len() + 1;
+        }
+        window.push((rendered, cuts));
+        if used > without_note && !is_newest {
+            all_fit = false;
+            break;
+        }
+    }
+    if !all_fit {
+        window.truncate(fits_with_note);
+    }
+    let first_kept = units.len() - window.len();
+    let truncated_outputs = window.iter().map(|(_, cuts)| cuts).sum();
 
     let mut messages = vec![system, goal];
     let condensed = units
@@ -371,7 +357,7 @@ pub fn build_context_detailed(input: &ContextInput<'_>, budget: &ContextBudget) 
             content: condensed_note(history, range, seqs),
         });
     }
-    messages.extend(rendered.into_iter().skip(first_kept).flatten());
+    messages.extend(window.into_iter().rev().flat_map(|(m, _)| m));
     messages.extend(obligations);
     let estimated_tokens = estimate_messages_tokens(&messages);
     BuiltContext {
