@@ -39,6 +39,10 @@ use super::{
     ApprovalRule, RiskLevel, Tool, ToolContext, ToolEffect, ToolError, ToolErrorCode, ToolSpec,
 };
 
+/// The daemon's environment variables a stdio server gets (when present) without
+/// `inherit_env`.
+pub const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "TZ"];
+
 /// Separator between the server and the tool name.
 pub const NAME_SEPARATOR: &str = "__";
 /// Longest stderr line forwarded to tracing.
@@ -49,13 +53,15 @@ const MAX_ERROR_TEXT_CHARS: usize = 500;
 /// How to reach an MCP server.
 #[derive(Debug, Clone)]
 pub enum McpTransport {
-    /// A child process speaking MCP on stdin/stdout. It inherits the daemon's environment
-    /// plus `env`.
+    /// A child process speaking MCP on stdin/stdout. Its environment is `env` plus only the
+    /// daemon's [`INHERITED_ENV`] variables — the daemon's secrets (model API keys, tokens)
+    /// are not handed to third-party servers — unless `inherit_env` is set.
     Stdio {
         command: String,
         args: Vec<String>,
         env: Vec<(String, String)>,
         cwd: Option<std::path::PathBuf>,
+        inherit_env: bool,
     },
     /// A streamable-HTTP endpoint, e.g. `http://127.0.0.1:3001/mcp`.
     Http {
@@ -115,6 +121,7 @@ impl McpServerConfig {
                 args: args.iter().map(|a| (*a).to_owned()).collect(),
                 env: Vec::new(),
                 cwd: None,
+                inherit_env: false,
             },
         )
     }
@@ -392,9 +399,18 @@ async fn connect(config: &McpServerConfig) -> Result<(Client, Option<u32>), Stri
             args,
             env,
             cwd,
+            inherit_env,
         } => {
             let mut cmd = tokio::process::Command::new(command);
             cmd.args(args);
+            if !inherit_env {
+                cmd.env_clear();
+                for name in INHERITED_ENV {
+                    if let Some(value) = std::env::var_os(name) {
+                        cmd.env(name, value);
+                    }
+                }
+            }
             cmd.envs(env.iter().map(|(k, v)| (k, v)));
             if let Some(dir) = cwd {
                 cmd.current_dir(dir);

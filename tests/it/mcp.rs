@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentd::ids::{CallId, RunId};
-use agentd::tool::mcp::{McpServer, McpServerConfig, McpTool};
+use agentd::tool::mcp::{McpServer, McpServerConfig, McpTool, McpTransport};
 use agentd::tool::{Tool, ToolContext, ToolEffect, ToolErrorCode};
 use serde_json::json;
 use tokio::io::AsyncBufReadExt;
@@ -115,6 +115,31 @@ async fn stdio_discovery_and_real_calls() {
     );
     let err = bounded(sum.call(&ctx(), json!([1, 2]))).await.unwrap_err();
     assert_eq!(err.code, ToolErrorCode::InvalidArgument);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn stdio_servers_get_only_configured_and_basic_environment() {
+    let Some(bin) = server_bin() else { return };
+    // Cargo sets CARGO_MANIFEST_DIR for this process: it stands in for a daemon secret.
+    assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+    let mut cfg = stdio_config(&bin);
+    if let McpTransport::Stdio { env, .. } = &mut cfg.transport {
+        env.push(("AGENTD_CONFIGURED".into(), "visible-value".into()));
+    }
+    let server = bounded(McpServer::start(cfg)).await.unwrap();
+    let found = bounded(server.discover()).await.unwrap();
+    let get_env = find(&found.tools, "everything__get-env");
+    let out = bounded(get_env.call(&ctx(), json!({})))
+        .await
+        .unwrap()
+        .to_string();
+    assert!(out.contains("visible-value"), "{out}");
+    assert!(out.contains("PATH"), "{out}");
+    assert!(
+        !out.contains("CARGO_MANIFEST_DIR"),
+        "daemon env leaked: {out}"
+    );
     server.shutdown().await;
 }
 
