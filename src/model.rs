@@ -5,6 +5,7 @@
 //! that calls them is `gateway`.
 
 pub mod gateway;
+pub mod openai;
 pub mod scripted;
 
 use std::time::Duration;

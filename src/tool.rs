@@ -5,8 +5,11 @@
 //! kind is checked the same way: one JSON Schema per tool, validated in `registry` before
 //! anything runs; execution goes through the shared pool in `executor`.
 
+pub mod approval;
 pub mod builtin;
 pub mod executor;
+pub mod http;
+pub mod mcp;
 pub mod registry;
 
 use std::time::Duration;
@@ -31,12 +34,49 @@ pub enum ToolEffect {
     Unsafe,
 }
 
-/// When a call needs an operator's approval before it runs.
+/// How much harm a wrong call of the tool can do; approval rules may key on it.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RiskLevel {
+    Low,
+    #[default]
+    Medium,
+    High,
+    Critical,
+}
+
+/// When a call needs an operator's approval before it runs. Evaluated by
+/// [`ApprovalRule::requires`] / [`ToolSpec::requires_approval`] (see `approval`).
+///
+/// In TOML: `approval = "never"`, `approval = "always"`,
+/// `approval = { by_risk = { at_least = "high" } }`,
+/// `approval = { when_argument = { pointer = "/env", equals = "prod" } }`,
+/// `approval = { any_of = [ … ] }`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalRule {
     Never,
     Always,
+    /// Approval when the tool's declared `risk` is at least `at_least`.
+    ByRisk {
+        at_least: RiskLevel,
+    },
+    /// Approval when the argument at the JSON Pointer `pointer` is present and satisfies every
+    /// condition given (`equals`, `one_of`, `matches` — a regular expression tested against a
+    /// string argument). With no condition, presence alone requires approval.
+    WhenArgument {
+        pointer: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        equals: Option<Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        one_of: Option<Vec<Value>>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        matches: Option<String>,
+    },
+    /// Approval when any of the rules requires it.
+    AnyOf(Vec<ApprovalRule>),
 }
 
 /// A tool's declared contract. The runtime enforces it whatever the model says.
@@ -48,6 +88,8 @@ pub struct ToolSpec {
     /// JSON Schema of the arguments (draft 2020-12).
     pub parameters: Value,
     pub effect: ToolEffect,
+    /// Declared harm potential (default `medium`); `ApprovalRule::ByRisk` keys on it.
+    pub risk: RiskLevel,
     pub approval: ApprovalRule,
     pub timeout: Duration,
     /// Serialized output larger than this is cut and marked `truncated`.
@@ -60,13 +102,15 @@ pub struct ToolSpec {
 }
 
 impl ToolSpec {
-    /// A spec with conservative defaults: `unsafe`, no approval, 30 s, 64 KiB output.
+    /// A spec with conservative defaults: `unsafe`, `medium` risk, no approval, 30 s, 64 KiB
+    /// output.
     pub fn new(name: impl Into<String>, description: impl Into<String>, parameters: Value) -> Self {
         ToolSpec {
             name: name.into(),
             description: description.into(),
             parameters,
             effect: ToolEffect::Unsafe,
+            risk: RiskLevel::Medium,
             approval: ApprovalRule::Never,
             timeout: Duration::from_secs(30),
             max_output_bytes: 64 * 1024,
@@ -77,6 +121,11 @@ impl ToolSpec {
 
     pub fn effect(mut self, effect: ToolEffect) -> Self {
         self.effect = effect;
+        self
+    }
+
+    pub fn risk(mut self, risk: RiskLevel) -> Self {
+        self.risk = risk;
         self
     }
 

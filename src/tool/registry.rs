@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::{ApprovalRule, Tool, ToolSpec};
+use super::{Tool, ToolSpec};
 use crate::model::ToolDefinition;
 use crate::run::decision::ASK_USER_TOOL;
 use crate::run::machine::{ArgumentError, ToolCatalog, ToolInfo, ToolLookup};
@@ -180,8 +180,8 @@ impl ToolCatalog for AgentTools {
         self.registry.validate(name, arguments)
     }
 
-    fn needs_approval(&self, name: &str, _arguments: &Value) -> bool {
+    fn needs_approval(&self, name: &str, arguments: &Value) -> bool {
         self.allowed_spec(name)
-            .is_some_and(|s| !matches!(s.approval, ApprovalRule::Never))
+            .is_some_and(|s| s.requires_approval(arguments))
     }
 }

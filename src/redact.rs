@@ -1,0 +1,276 @@
+//! Secret redaction: one `Redactor`, built from configured secret values and key/value patterns,
+//! that scrubs strings and JSON values before they reach logs, events or API output.
+//!
+//! Three rules, applied together:
+//! - **secret values**: every configured secret (API keys, bearer tokens, resolved `env:`
+//!   values) is replaced by `[redacted]` wherever it appears inside a string — in values, in
+//!   object keys, in error messages. Secrets shorter than [`MIN_SECRET_LEN`] are ignored,
+//!   since redacting `"a"` everywhere would destroy text without protecting anything.
+//! - **sensitive keys**: in a JSON object, the value under a key matching a key pattern
+//!   (default [`DEFAULT_KEY_PATTERN`], e.g. `api_key`, `Authorization`, `refresh_token`) is
+//!   replaced by `"[redacted]"` when it is a string, array or object. Numbers, booleans and
+//!   null are kept: `"max_tokens": 100` or `"input_tokens": 1200` carry no secret, and the key
+//!   pattern matches them.
+//! - **value patterns**: text that looks like a credential (default: `Bearer <token>`,
+//!   `sk-…` keys) is replaced inside any string.
+
+use std::borrow::Cow;
+
+use regex::{Regex, RegexSet};
+use serde_json::{Map, Value};
+
+/// What a redacted secret is replaced with.
+pub const REDACTED: &str = "[redacted]";
+
+/// Shorter configured secrets are not redacted (they would match ordinary text).
+pub const MIN_SECRET_LEN: usize = 6;
+
+/// JSON object keys whose (non-scalar) values are always redacted.
+pub const DEFAULT_KEY_PATTERN: &str = r"(?i)(api[_-]?key|token|secret|password|passwd|authorization|cookie|credential|private[_-]?key)";
+
+/// Credential-looking text redacted inside any string.
+pub const DEFAULT_VALUE_PATTERNS: &[&str] = &[
+    r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}",
+    r"\bsk-[A-Za-z0-9_-]{16,}",
+];
+
+/// A pattern given to the redactor did not compile.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid redaction pattern {pattern:?}: {reason}")]
+pub struct PatternError {
+    pub pattern: String,
+    pub reason: String,
+}
+
+/// Scrubs secrets from strings and JSON values. Cheap to clone behind an `Arc`; immutable once
+/// built.
+#[derive(Clone)]
+pub struct Redactor {
+    /// Longest first, so that a secret containing another is replaced whole.
+    secrets: Vec<String>,
+    key_patterns: Vec<String>,
+    keys: RegexSet,
+    values: Vec<Regex>,
+}
+
+impl std::fmt::Debug for Redactor {
+    // Never print the secrets themselves.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Redactor")
+            .field("secrets", &self.secrets.len())
+            .field("key_patterns", &self.key_patterns)
+            .field("value_patterns", &self.values.len())
+            .finish()
+    }
+}
+
+impl Default for Redactor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Redactor {
+    /// A redactor with the default key and value patterns and no configured secrets.
+    pub fn new() -> Self {
+        let keys = RegexSet::new([DEFAULT_KEY_PATTERN]).unwrap_or_else(|_| RegexSet::empty());
+        let values = DEFAULT_VALUE_PATTERNS
+            .iter()
+            .filter_map(|p| Regex::new(p).ok())
+            .collect();
+        Redactor {
+            secrets: Vec::new(),
+            key_patterns: vec![DEFAULT_KEY_PATTERN.to_owned()],
+            keys,
+            values,
+        }
+    }
+
+    /// A redactor that only knows these secret values (plus the default patterns).
+    pub fn with_secrets<I, S>(secrets: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let mut r = Self::new();
+        for s in secrets {
+            r.add_secret(s);
+        }
+        r
+    }
+
+    /// Adds one secret value. Ignored when shorter than [`MIN_SECRET_LEN`].
+    pub fn add_secret(&mut self, secret: impl Into<String>) {
+        let secret = secret.into();
+        if secret.chars().count() < MIN_SECRET_LEN || self.secrets.contains(&secret) {
+            return;
+        }
+        self.secrets.push(secret);
+        self.secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    }
+
+    /// Adds a regular expression matched against JSON object keys.
+    pub fn add_key_pattern(&mut self, pattern: &str) -> Result<(), PatternError> {
+        let mut patterns = self.key_patterns.clone();
+        patterns.push(pattern.to_owned());
+        self.keys = RegexSet::new(&patterns).map_err(|e| PatternError {
+            pattern: pattern.to_owned(),
+            reason: e.to_string(),
+        })?;
+        self.key_patterns = patterns;
+        Ok(())
+    }
+
+    /// Adds a regular expression whose matches are redacted inside any string.
+    pub fn add_value_pattern(&mut self, pattern: &str) -> Result<(), PatternError> {
+        let re = Regex::new(pattern).map_err(|e| PatternError {
+            pattern: pattern.to_owned(),
+            reason: e.to_string(),
+        })?;
+        self.values.push(re);
+        Ok(())
+    }
+
+    /// Whether values under this JSON object key are redacted.
+    pub fn is_sensitive_key(&self, key: &str) -> bool {
+        self.keys.is_match(key)
+    }
+
+    /// The text with every secret and credential-looking span replaced by `[redacted]`.
+    pub fn redact_str<'a>(&self, text: &'a str) -> Cow<'a, str> {
+        let mut out = Cow::Borrowed(text);
+        for secret in &self.secrets {
+            if out.contains(secret.as_str()) {
+                out = Cow::Owned(out.replace(secret.as_str(), REDACTED));
+            }
+        }
+        for re in &self.values {
+            if re.is_match(&out) {
+                out = Cow::Owned(re.replace_all(&out, REDACTED).into_owned());
+            }
+        }
+        out
+    }
+
+    /// A redacted copy of a JSON value.
+    pub fn redact_value(&self, value: &Value) -> Value {
+        let mut v = value.clone();
+        self.redact_value_in_place(&mut v);
+        v
+    }
+
+    /// Redacts a JSON value in place: strings, object keys, and values under sensitive keys.
+    pub fn redact_value_in_place(&self, value: &mut Value) {
+        match value {
+            Value::String(s) => {
+                if let Cow::Owned(r) = self.redact_str(s) {
+                    *s = r;
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(|v| self.redact_value_in_place(v)),
+            Value::Object(map) => {
+                let old = std::mem::take(map);
+                let mut new = Map::with_capacity(old.len());
+                for (key, mut v) in old {
+                    let sensitive = self.is_sensitive_key(&key);
+                    if sensitive
+                        && matches!(v, Value::String(_) | Value::Array(_) | Value::Object(_))
+                    {
+                        v = Value::String(REDACTED.to_owned());
+                    } else {
+                        self.redact_value_in_place(&mut v);
+                    }
+                    let key = self.redact_str(&key).into_owned();
+                    new.insert(key, v);
+                }
+                *map = new;
+            }
+            Value::Null | Value::Bool(_) | Value::Number(_) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const KEY: &str = "hunter2-planted-value-9f3a";
+
+    #[test]
+    fn planted_secret_in_nested_json_is_redacted() {
+        let r = Redactor::with_secrets([KEY]);
+        let v = json!({
+            "outer": {"list": [1, format!("prefix {KEY} suffix"), {"deep": KEY}]},
+            "n": 3
+        });
+        let out = r.redact_value(&v);
+        let text = out.to_string();
+        assert!(!text.contains(KEY), "{text}");
+        assert_eq!(out["outer"]["list"][1], json!("prefix [redacted] suffix"));
+        assert_eq!(out["outer"]["list"][2]["deep"], json!("[redacted]"));
+        assert_eq!(out["n"], json!(3));
+    }
+
+    #[test]
+    fn secret_in_error_message_string_is_redacted() {
+        let r = Redactor::with_secrets([KEY]);
+        let msg = format!("401 Unauthorized: Incorrect API key provided: {KEY}.");
+        assert_eq!(
+            r.redact_str(&msg),
+            "401 Unauthorized: Incorrect API key provided: [redacted]."
+        );
+        // Untouched text is borrowed, not copied.
+        assert!(matches!(r.redact_str("all fine"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn secret_used_as_a_key_and_sensitive_key_names_are_redacted() {
+        let r = Redactor::with_secrets([KEY]);
+        let v = json!({
+            KEY: "value",
+            "headers": {"Authorization": "Basic abcdef", "X-Api-Key": "whatever"},
+            "config": {"db_password": {"nested": "x"}, "refresh_token": ["a"]},
+            "usage": {"input_tokens": 1200, "max_tokens": 100}
+        });
+        let out = r.redact_value(&v);
+        let text = out.to_string();
+        assert!(!text.contains(KEY), "{text}");
+        assert_eq!(out["[redacted]"], json!("value"));
+        assert_eq!(out["headers"]["Authorization"], json!(REDACTED));
+        assert_eq!(out["headers"]["X-Api-Key"], json!(REDACTED));
+        assert_eq!(out["config"]["db_password"], json!(REDACTED));
+        assert_eq!(out["config"]["refresh_token"], json!(REDACTED));
+        // Numeric token counts are not secrets.
+        assert_eq!(out["usage"]["input_tokens"], json!(1200));
+        assert_eq!(out["usage"]["max_tokens"], json!(100));
+    }
+
+    #[test]
+    fn credential_looking_text_is_redacted_without_configuration() {
+        let r = Redactor::new();
+        let s =
+            "curl -H 'Authorization: Bearer abc.def-123456' with sk-proj_ABCDEFGHIJKLMNOPQRSTUV";
+        let out = r.redact_str(s);
+        assert!(!out.contains("abc.def-123456"), "{out}");
+        assert!(!out.contains("sk-proj_"), "{out}");
+    }
+
+    #[test]
+    fn overlapping_secrets_are_replaced_longest_first_and_short_ones_ignored() {
+        let r = Redactor::with_secrets(["abcdefgh", "abcdefgh-ijkl", "abc"]);
+        assert_eq!(r.redact_str("x abcdefgh-ijkl y abc"), "x [redacted] y abc");
+        assert!(!format!("{r:?}").contains("abcdefgh"));
+    }
+
+    #[test]
+    fn custom_patterns_apply_and_bad_patterns_are_reported() {
+        let mut r = Redactor::new();
+        r.add_key_pattern("(?i)^pin$").unwrap();
+        r.add_value_pattern(r"ACCT-\d{6}").unwrap();
+        let out = r.redact_value(&json!({"pin": "1234", "note": "account ACCT-123456"}));
+        assert_eq!(out, json!({"pin": REDACTED, "note": "account [redacted]"}));
+        assert!(r.add_key_pattern("(").is_err());
+    }
+}

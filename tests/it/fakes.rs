@@ -1,0 +1,387 @@
+//! Fake servers for integration and end-to-end tests, each on 127.0.0.1:0: an
+//! OpenAI-compatible Chat Completions server that plays scripted replies and records requests,
+//! and an HTTP tool server that records every execution per `Idempotency-Key` and answers
+//! status queries.
+//!
+//! Both are stopped when dropped. Handlers that "hang" wait on a future that never completes,
+//! so tests observe client timeouts without sleeping.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+async fn serve(router: Router) -> (SocketAddr, CancellationToken) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { stopped.cancelled().await })
+            .await;
+    });
+    (addr, stop)
+}
+
+// ---------------------------------------------------------------- fake OpenAI server
+
+/// One scripted answer of the fake model server.
+#[derive(Debug, Clone)]
+pub enum Scripted {
+    /// `200` with this `chat.completion` body.
+    Completion(Value),
+    /// Any status, extra headers and a raw body.
+    Status {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: String,
+    },
+    /// `200 text/event-stream` with these `data:` payloads (add `"[DONE]"` yourself).
+    Sse(Vec<String>),
+    /// Never answers (the client must time out).
+    Hang,
+}
+
+impl Scripted {
+    /// A plain text reply with usage.
+    pub fn text(text: &str) -> Self {
+        Scripted::Completion(json!({
+            "id": "chatcmpl-1", "object": "chat.completion", "model": "fake",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}],
+            "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+        }))
+    }
+
+    /// A tool-call reply: `(id, name, arguments JSON text)` each.
+    pub fn tool_calls(calls: &[(&str, &str, &str)]) -> Self {
+        let calls: Vec<Value> = calls
+            .iter()
+            .map(|(id, name, args)| {
+                json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})
+            })
+            .collect();
+        Scripted::Completion(json!({
+            "choices": [{"index": 0, "finish_reason": "tool_calls",
+                         "message": {"role": "assistant", "content": null, "tool_calls": calls}}],
+            "usage": {"prompt_tokens": 20, "completion_tokens": 9}
+        }))
+    }
+
+    pub fn status(status: u16, body: &str) -> Self {
+        Scripted::Status {
+            status,
+            headers: Vec::new(),
+            body: body.to_owned(),
+        }
+    }
+
+    /// `429` with `Retry-After`.
+    pub fn rate_limited(retry_after: &str) -> Self {
+        Scripted::Status {
+            status: 429,
+            headers: vec![("retry-after".into(), retry_after.into())],
+            body: json!({"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}})
+                .to_string(),
+        }
+    }
+}
+
+/// One request the fake model server received.
+#[derive(Debug, Clone)]
+pub struct RecordedRequest {
+    pub body: Value,
+    pub authorization: Option<String>,
+}
+
+#[derive(Default)]
+struct OpenAiState {
+    script: Mutex<VecDeque<Scripted>>,
+    fallback: Mutex<Option<Scripted>>,
+    requests: Mutex<Vec<RecordedRequest>>,
+}
+
+/// A fake OpenAI-compatible server: `POST /v1/chat/completions` pops the next scripted reply
+/// (an empty script answers `500`).
+pub struct FakeOpenAi {
+    addr: SocketAddr,
+    state: Arc<OpenAiState>,
+    stop: CancellationToken,
+}
+
+impl FakeOpenAi {
+    pub async fn start() -> Self {
+        let state = Arc::new(OpenAiState::default());
+        let router = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .with_state(Arc::clone(&state));
+        let (addr, stop) = serve(router).await;
+        FakeOpenAi { addr, state, stop }
+    }
+
+    /// The base URL to configure (`http://127.0.0.1:PORT/v1`).
+    pub fn url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    pub fn push(&self, reply: Scripted) -> &Self {
+        self.state.script.lock().unwrap().push_back(reply);
+        self
+    }
+
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    pub fn request_count(&self) -> usize {
+        self.state.requests.lock().unwrap().len()
+    }
+
+    /// The reply given when the script is empty (default: `500 no scripted reply left`).
+    pub fn set_fallback(&self, reply: Scripted) -> &Self {
+        *self.state.fallback.lock().unwrap() = Some(reply);
+        self
+    }
+
+    /// Scripted replies not yet consumed.
+    pub fn remaining(&self) -> usize {
+        self.state.script.lock().unwrap().len()
+    }
+}
+
+impl Drop for FakeOpenAi {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn chat(State(state): State<Arc<OpenAiState>>, headers: HeaderMap, body: String) -> Response {
+    let body: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+    state.requests.lock().unwrap().push(RecordedRequest {
+        body,
+        authorization: headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+    });
+    let next = state.script.lock().unwrap().pop_front();
+    let next = next.or_else(|| state.fallback.lock().unwrap().clone());
+    match next {
+        None => (StatusCode::INTERNAL_SERVER_ERROR, "no scripted reply left").into_response(),
+        Some(Scripted::Completion(v)) => axum::Json(v).into_response(),
+        Some(Scripted::Status {
+            status,
+            headers,
+            body,
+        }) => {
+            let mut builder = Response::builder()
+                .status(status)
+                .header("content-type", "application/json");
+            for (k, v) in headers {
+                builder = builder.header(k, v);
+            }
+            builder.body(Body::from(body)).unwrap()
+        }
+        Some(Scripted::Sse(events)) => {
+            let text: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+            Response::builder()
+                .status(200)
+                .header("content-type", "text/event-stream")
+                .body(Body::from(text))
+                .unwrap()
+        }
+        Some(Scripted::Hang) => std::future::pending().await,
+    }
+}
+
+// ---------------------------------------------------------------- recording tool server
+
+/// What the tool server does with the next call.
+#[derive(Debug, Clone)]
+pub enum ToolBehavior {
+    /// Apply (count an execution) and answer `200` with the result.
+    Apply,
+    /// Refuse without applying: this status and `{"error":{"message"}}`.
+    Refuse(u16, String),
+    /// Apply, then answer this (error) status.
+    ApplyThenFail(u16),
+    /// Apply, then never answer.
+    ApplyThenHang,
+    /// Never answer, without applying.
+    Hang,
+    /// Apply and answer `200` with a JSON string of this many bytes.
+    ApplyLarge(usize),
+}
+
+/// One request the tool server received.
+#[derive(Debug, Clone)]
+pub struct ToolRequest {
+    pub idempotency_key: Option<String>,
+    pub authorization: Option<String>,
+    pub body: Value,
+}
+
+#[derive(Default)]
+struct ToolState {
+    behaviors: Mutex<VecDeque<ToolBehavior>>,
+    requests: Mutex<Vec<ToolRequest>>,
+    executions: Mutex<HashMap<String, u32>>,
+    results: Mutex<HashMap<String, Value>>,
+}
+
+/// A recording HTTP tool server. `POST /tool` takes the next behavior (default `Apply`);
+/// `GET /status` answers the recorded result of the `Idempotency-Key`, or `404`.
+///
+/// It deliberately does not deduplicate: every applying request counts as an execution, so
+/// tests can assert that a key ran exactly once.
+pub struct ToolServer {
+    addr: SocketAddr,
+    state: Arc<ToolState>,
+    stop: CancellationToken,
+}
+
+impl ToolServer {
+    pub async fn start() -> Self {
+        let state = Arc::new(ToolState::default());
+        let router = Router::new()
+            .route("/tool", post(tool_call))
+            .route("/status", get(tool_status))
+            .with_state(Arc::clone(&state));
+        let (addr, stop) = serve(router).await;
+        ToolServer { addr, state, stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn tool_url(&self) -> String {
+        format!("http://{}/tool", self.addr)
+    }
+
+    pub fn status_url(&self) -> String {
+        format!("http://{}/status", self.addr)
+    }
+
+    pub fn push(&self, behavior: ToolBehavior) -> &Self {
+        self.state.behaviors.lock().unwrap().push_back(behavior);
+        self
+    }
+
+    /// How many times the call with this key was applied.
+    pub fn executions(&self, key: &str) -> u32 {
+        self.state
+            .executions
+            .lock()
+            .unwrap()
+            .get(key)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub fn total_executions(&self) -> u32 {
+        self.state.executions.lock().unwrap().values().sum()
+    }
+
+    pub fn requests(&self) -> Vec<ToolRequest> {
+        self.state.requests.lock().unwrap().clone()
+    }
+}
+
+impl Drop for ToolServer {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn key_of(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+impl ToolState {
+    fn apply(&self, key: &str, body: &Value) -> Value {
+        let mut executions = self.executions.lock().unwrap();
+        let n = executions.entry(key.to_owned()).or_insert(0);
+        *n += 1;
+        let result = json!({"applied": true, "execution": *n, "arguments": body.get("arguments")});
+        self.results
+            .lock()
+            .unwrap()
+            .insert(key.to_owned(), result.clone());
+        result
+    }
+}
+
+async fn tool_call(
+    State(state): State<Arc<ToolState>>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    let body: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+    let key = key_of(&headers);
+    state.requests.lock().unwrap().push(ToolRequest {
+        idempotency_key: key.clone(),
+        authorization: headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+        body: body.clone(),
+    });
+    let Some(key) = key else {
+        return (
+            StatusCode::BAD_REQUEST,
+            axum::Json(json!({"error": {"message": "missing Idempotency-Key"}})),
+        )
+            .into_response();
+    };
+    let behavior = state
+        .behaviors
+        .lock()
+        .unwrap()
+        .pop_front()
+        .unwrap_or(ToolBehavior::Apply);
+    match behavior {
+        ToolBehavior::Apply => axum::Json(state.apply(&key, &body)).into_response(),
+        ToolBehavior::Refuse(status, message) => (
+            StatusCode::from_u16(status).unwrap(),
+            axum::Json(json!({"error": {"message": message}})),
+        )
+            .into_response(),
+        ToolBehavior::ApplyThenFail(status) => {
+            state.apply(&key, &body);
+            (StatusCode::from_u16(status).unwrap(), "internal error").into_response()
+        }
+        ToolBehavior::ApplyThenHang => {
+            state.apply(&key, &body);
+            std::future::pending().await
+        }
+        ToolBehavior::Hang => std::future::pending().await,
+        ToolBehavior::ApplyLarge(n) => {
+            state.apply(&key, &body);
+            axum::Json(Value::String("z".repeat(n))).into_response()
+        }
+    }
+}
+
+async fn tool_status(State(state): State<Arc<ToolState>>, headers: HeaderMap) -> Response {
+    let Some(key) = key_of(&headers) else {
+        return (StatusCode::BAD_REQUEST, "missing Idempotency-Key").into_response();
+    };
+    match state.results.lock().unwrap().get(&key) {
+        Some(result) => axum::Json(result.clone()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
