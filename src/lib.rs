@@ -8,8 +8,12 @@
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
 
 pub mod agent;
+pub mod api;
+pub mod cli;
 pub mod clock;
+pub mod config;
 pub mod config_duration;
+pub mod daemon;
 pub mod hub;
 pub mod idempotency;
 pub mod ids;
