@@ -249,3 +249,12 @@ fn runtime_section_maps_onto_runtime_config() {
         None
     );
 }
+
+#[test]
+fn the_compose_config_validates() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/compose.toml"))
+        .unwrap();
+    let c = Config::from_toml(&text).unwrap();
+    c.validate().unwrap();
+    assert!(c.store.url.starts_with("redis://"));
+}
