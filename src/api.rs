@@ -32,7 +32,7 @@ use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
 
 use crate::config::LimitsConfig;
 use crate::runtime::RuntimeHandle;
@@ -277,25 +277,27 @@ pub fn router(state: AppState) -> Router {
         .layer(SetRequestIdLayer::new(x_request_id.clone(), MakeUuidV7))
         .layer(PropagateRequestIdLayer::new(x_request_id))
         .layer(
-            TraceLayer::new_for_http().make_span_with(|req: &axum::http::Request<_>| {
-                let request_id = req
-                    .headers()
-                    .get("x-request-id")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("");
-                let route = req
-                    .extensions()
-                    .get::<MatchedPath>()
-                    .map_or("unmatched", |p| p.as_str());
-                tracing::info_span!(
-                    "http",
-                    request_id,
-                    method = %req.method(),
-                    route,
-                    path = %req.uri().path(),
-                    tenant = tracing::field::Empty,
-                )
-            }),
+            TraceLayer::new_for_http()
+                .make_span_with(|req: &axum::http::Request<_>| {
+                    let request_id = req
+                        .headers()
+                        .get("x-request-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    let route = req
+                        .extensions()
+                        .get::<MatchedPath>()
+                        .map_or("unmatched", |p| p.as_str());
+                    tracing::info_span!(
+                        "http",
+                        request_id,
+                        method = %req.method(),
+                        route,
+                        path = %req.uri().path(),
+                        tenant = tracing::field::Empty,
+                    )
+                })
+                .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
         )
         .layer(middleware::from_fn_with_state(
             state.clone(),
