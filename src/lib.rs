@@ -8,10 +8,14 @@
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
 
 pub mod agent;
+pub mod api;
 pub mod bench;
+pub mod cli;
 pub mod clock;
+pub mod config;
 pub mod config_duration;
 pub mod context;
+pub mod daemon;
 pub mod hub;
 pub mod idempotency;
 pub mod ids;

@@ -1,34 +1,137 @@
-//! The agentd binary (temporary entry point until the CLI lands): `agentd bench`.
+//! The agentd binary: parses arguments, loads configuration, sets up tracing, binds, and hands
+//! over to `daemon::run` (serve) or `cli::exec` (client commands).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::process::ExitCode;
 
-fn arg(args: &[String], name: &str, default: u64) -> u64 {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+use agentd::cli::{self, Cli, Command, LogFormat, ServeArgs};
+use agentd::config::{Config, Secret};
+use clap::Parser as _;
+use tracing_subscriber::EnvFilter;
+
+fn init_tracing(format: LogFormat, serve: bool) {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(if serve { "info" } else { "warn" }));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = match (format, serve) {
+        (LogFormat::Json, true) => builder.json().with_current_span(true).try_init(),
+        (LogFormat::Json, false) => builder.json().with_writer(std::io::stderr).try_init(),
+        (LogFormat::Text, true) => builder.try_init(),
+        (LogFormat::Text, false) => builder.with_writer(std::io::stderr).try_init(),
+    };
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().collect();
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received"),
+        () = term => tracing::info!("SIGTERM received"),
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
+    if let Some(l) = args.listen {
+        config.server.listen = l;
+    }
+    if let Some(s) = args.store {
+        config.store.url = s;
+    }
+    if args.config.is_none() && std::env::var("AGENTD_TOKEN").is_err() {
+        let token = format!("agentd_dev_{}", hex::encode(rand::random::<[u8; 24]>()));
+        if let Some(t) = config.tenants.iter_mut().find(|t| t.id == "dev") {
+            t.tokens = vec![Secret(token.clone())];
+        }
+        eprintln!(
+            "agentd: dev tenant token (set AGENTD_TOKEN to choose one):\n  export AGENTD_TOKEN={token}"
+        );
+    }
+    config.validate()?;
+    let listener = tokio::net::TcpListener::bind(&config.server.listen).await?;
+    eprintln!("agentd listening on http://{}", listener.local_addr()?);
+    agentd::daemon::run(config, listener, shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {
+    let store = agentd::store::open(&bench_store_url(&args.store)).await?;
     let opts = agentd::bench::BenchOptions {
-        runs: arg(&args, "--runs", 1000) as usize,
-        steps: arg(&args, "--steps", 10) as u32,
-        model_delay: Duration::from_millis(arg(&args, "--model-delay-ms", 0)),
+        runs: args.runs,
+        steps: args.steps,
+        model_delay: args.model_delay,
+        model_workers: args.model_workers,
+        tool_workers: args.tool_workers,
         ..Default::default()
     };
-    let store = Arc::new(agentd::store::memory::MemoryStore::new());
-    match agentd::bench::run(opts, store).await {
-        Ok(r) => {
-            println!("{r}");
-            std::process::ExitCode::SUCCESS
-        }
+    eprintln!(
+        "agentd bench: {} runs x {} steps on {}",
+        opts.runs, opts.steps, args.store
+    );
+    let report = agentd::bench::run(opts, store)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    println!("{report}");
+    Ok(())
+}
+
+/// Gives a Redis benchmark its own namespace so it never touches real runs.
+fn bench_store_url(url: &str) -> String {
+    if url.starts_with("redis") && !url.contains("ns=") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}ns=bench-{}", uuid::Uuid::now_v7().simple())
+    } else {
+        url.to_owned()
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
         Err(e) => {
-            eprintln!("agentd bench: {e}");
-            std::process::ExitCode::FAILURE
+            let usage = e.use_stderr();
+            let _ = e.print();
+            return ExitCode::from(if usage { cli::EXIT_USAGE as u8 } else { 0 });
+        }
+    };
+    let is_serve = matches!(cli.command, Command::Serve(_));
+    init_tracing(cli.log_format, is_serve);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: could not start the async runtime: {e}");
+            return ExitCode::from(cli::EXIT_ERROR as u8);
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve(args).await.map(|()| 0),
+            Command::Bench(args) => bench(args).await.map(|()| 0),
+            _ => cli::exec(cli).await,
+        }
+    });
+    // Do not wait for detached tasks (e.g. event followers) after the work is done.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(cli::EXIT_ERROR as u8)
         }
     }
 }

@@ -1,11 +1,35 @@
-//! The single integration-test binary; each module is one area (run `cargo test --test it`).
+//! The single integration-test binary (`cargo test --test it`): the runtime through its handle,
+//! the daemon through HTTP and the CLI, the stores through one contract, and the providers
+//! against fake servers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+/// Every route and every error code of the HTTP API.
+mod api;
+/// The CLI binary against a live daemon.
+mod cli;
+/// Control routes: cancel, approvals, input — idempotency and conflicts.
+mod control;
+/// Daemon harness: `TestDaemon`, the test configuration, HTTP helpers, polling with deadlines.
+mod daemon_support;
+/// Fake OpenAI-compatible server and recording HTTP tool server.
 mod fakes;
+/// HTTP tools against the recording tool server.
 mod http_tool;
+/// The tenant-isolation matrix, generated from `api::ROUTES`.
+mod isolation;
+/// MCP tools against the npm reference server.
 mod mcp;
+/// The OpenAI-compatible provider against the fake server.
 mod openai;
+/// Store-test helpers: builders, Redis namespaces, a private redis-server.
 mod redis_support;
+/// The core runtime through `RuntimeHandle`.
 mod runtime;
+/// SIGTERM on a real child process.
+mod shutdown;
+/// SSE streaming and resume with `Last-Event-ID`.
+mod sse;
+/// One contract suite for the memory, file and Redis stores.
 mod store_contract;
+/// Runtime harness: in-process runtime on the memory store.
 mod support;

@@ -1,0 +1,317 @@
+//! The HTTP API (see `/openapi.json` and API.md): the route table, the shared `AppState`, and
+//! the middleware stack. Handlers parse a DTO, call `RuntimeHandle`, and answer a DTO.
+//!
+//! Middleware, outermost first: sensitive `Authorization` (never logged), request id
+//! (`x-request-id`, generated as a UUIDv7 when absent, echoed back), the trace span (request id,
+//! method, route, tenant), HTTP request counters, panic catcher (500 `internal`), request
+//! timeout (408, not applied to SSE), and on `/v1` routes the bearer-token check.
+
+pub mod auth;
+pub mod dto;
+pub mod error;
+pub mod extract;
+pub mod openapi;
+pub mod ops;
+pub mod runs;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, get, post};
+use dashmap::DashMap;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceBuilder;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
+use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
+
+use crate::config::LimitsConfig;
+use crate::runtime::RuntimeHandle;
+use auth::{Auth, Tenant};
+use error::ApiError;
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub runtime: RuntimeHandle,
+    pub auth: Arc<Auth>,
+    pub limits: Arc<LimitsConfig>,
+    pub sse_keep_alive: Duration,
+    /// False while starting and once shutdown begins (`/readyz` answers 503).
+    pub ready: Arc<AtomicBool>,
+    /// Cancelled when shutdown begins: SSE streams end.
+    pub shutdown: CancellationToken,
+    pub http: Arc<HttpMetrics>,
+}
+
+/// One route of the API. The router, the OpenAPI test and the tenant-isolation test are all
+/// driven by [`ROUTES`].
+pub struct Route {
+    pub method: &'static str,
+    /// axum path syntax (`/v1/runs/{id}`), identical to the OpenAPI path.
+    pub path: &'static str,
+    /// Needs a bearer token (every `/v1` route).
+    pub auth: bool,
+    make: fn() -> MethodRouter<AppState>,
+}
+
+/// Every route, in the order of API.md.
+pub const ROUTES: &[Route] = &[
+    Route {
+        method: "POST",
+        path: "/v1/runs",
+        auth: true,
+        make: || post(runs::create),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/runs",
+        auth: true,
+        make: || get(runs::list),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/runs/{id}",
+        auth: true,
+        make: || get(runs::get_run),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/runs/{id}/events",
+        auth: true,
+        make: || get(runs::events),
+    },
+    Route {
+        method: "POST",
+        path: "/v1/runs/{id}/cancel",
+        auth: true,
+        make: || post(runs::cancel),
+    },
+    Route {
+        method: "POST",
+        path: "/v1/runs/{id}/approvals/{call_id}",
+        auth: true,
+        make: || post(runs::decide),
+    },
+    Route {
+        method: "POST",
+        path: "/v1/runs/{id}/input",
+        auth: true,
+        make: || post(runs::input),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/agents",
+        auth: true,
+        make: || get(ops::agents),
+    },
+    Route {
+        method: "GET",
+        path: "/healthz",
+        auth: false,
+        make: || get(ops::healthz),
+    },
+    Route {
+        method: "GET",
+        path: "/readyz",
+        auth: false,
+        make: || get(ops::readyz),
+    },
+    Route {
+        method: "GET",
+        path: "/metrics",
+        auth: false,
+        make: || get(ops::metrics),
+    },
+    Route {
+        method: "GET",
+        path: "/openapi.json",
+        auth: false,
+        make: || get(ops::openapi),
+    },
+];
+
+/// Request counters by method, route and status, rendered into `/metrics`.
+#[derive(Debug, Default)]
+pub struct HttpMetrics {
+    requests: DashMap<(String, String, u16), AtomicU64>,
+}
+
+impl HttpMetrics {
+    fn record(&self, method: &str, route: &str, status: u16) {
+        self.requests
+            .entry((method.to_owned(), route.to_owned(), status))
+            .or_default()
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Prometheus text.
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let _ = writeln!(
+            out,
+            "# HELP agentd_http_requests_total HTTP requests answered.\n# TYPE agentd_http_requests_total counter"
+        );
+        let mut rows: Vec<(String, String, u16, u64)> = self
+            .requests
+            .iter()
+            .map(|e| {
+                let (m, r, s) = e.key();
+                (m.clone(), r.clone(), *s, e.value().load(Ordering::Relaxed))
+            })
+            .collect();
+        rows.sort();
+        for (m, r, s, n) in rows {
+            let _ = writeln!(
+                out,
+                "agentd_http_requests_total{{method=\"{m}\",route=\"{r}\",status=\"{s}\"}} {n}"
+            );
+        }
+    }
+}
+
+/// Request ids: UUIDv7, time-ordered.
+#[derive(Clone, Copy, Default)]
+struct MakeUuidV7;
+
+impl MakeRequestId for MakeUuidV7 {
+    fn make_request_id<B>(&mut self, _req: &axum::http::Request<B>) -> Option<RequestId> {
+        HeaderValue::from_str(&uuid::Uuid::now_v7().to_string())
+            .ok()
+            .map(RequestId::new)
+    }
+}
+
+/// Whether the client asks for an SSE stream.
+pub fn wants_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"))
+}
+
+async fn timeout_unless_sse(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    if wants_sse(req.headers()) {
+        return next.run(req).await;
+    }
+    match tokio::time::timeout(s.limits.request_timeout, next.run(req)).await {
+        Ok(res) => res,
+        Err(_) => ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "the request took too long",
+        )
+        .into_response(),
+    }
+}
+
+async fn count_requests(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let method = req.method().as_str().to_owned();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let res = next.run(req).await;
+    s.http.record(&method, &route, res.status().as_u16());
+    res
+}
+
+async fn require_tenant(State(s): State<AppState>, mut req: Request, next: Next) -> Response {
+    match s.auth.authenticate(req.headers()) {
+        Some(tenant) => {
+            tracing::Span::current().record("tenant", tenant.as_ref());
+            req.extensions_mut().insert(Tenant(tenant));
+            next.run(req).await
+        }
+        None => ApiError::unauthenticated().into_response(),
+    }
+}
+
+fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    tracing::error!("a request handler panicked");
+    ApiError::internal().into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found()
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not accept this method",
+    )
+}
+
+/// The API router over `state`.
+pub fn router(state: AppState) -> Router {
+    let mut authed: Router<AppState> = Router::new();
+    let mut open: Router<AppState> = Router::new();
+    for r in ROUTES {
+        if r.auth {
+            authed = authed.route(r.path, (r.make)());
+        } else {
+            open = open.route(r.path, (r.make)());
+        }
+    }
+    let authed = authed.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        require_tenant,
+    ));
+    let x_request_id = HeaderName::from_static("x-request-id");
+    let stack = ServiceBuilder::new()
+        .layer(SetSensitiveRequestHeadersLayer::new([
+            header::AUTHORIZATION,
+        ]))
+        .layer(SetRequestIdLayer::new(x_request_id.clone(), MakeUuidV7))
+        .layer(PropagateRequestIdLayer::new(x_request_id))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(|req: &axum::http::Request<_>| {
+                    let request_id = req
+                        .headers()
+                        .get("x-request-id")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("");
+                    let route = req
+                        .extensions()
+                        .get::<MatchedPath>()
+                        .map_or("unmatched", |p| p.as_str());
+                    tracing::info_span!(
+                        "http",
+                        request_id,
+                        method = %req.method(),
+                        route,
+                        path = %req.uri().path(),
+                        tenant = tracing::field::Empty,
+                    )
+                })
+                .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+        )
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .layer(CatchPanicLayer::custom(panic_response))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            timeout_unless_sse,
+        ));
+    authed
+        .merge(open)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(stack)
+        .with_state(state)
+}

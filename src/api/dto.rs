@@ -1,0 +1,271 @@
+//! The wire shapes of the HTTP API (and only those): request bodies, query strings and the
+//! JSON the API answers with. Conversions from runtime types live here too.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::clock::rfc3339;
+use crate::run::{CallStatus, RunError, RunState};
+use crate::runtime::AgentInfo;
+use crate::store::EventRecord;
+
+/// `POST /v1/runs`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRunRequest {
+    pub agent: String,
+    /// The goal: text or any JSON value.
+    pub input: Value,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+    #[serde(default)]
+    pub budget: Option<BudgetRequest>,
+    #[serde(default)]
+    pub metadata: Option<Value>,
+}
+
+/// Budget a client asks for; unset fields take the agent's defaults.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetRequest {
+    #[serde(default)]
+    pub max_turns: Option<u32>,
+    #[serde(default)]
+    pub max_tool_calls: Option<u32>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// From the run's creation, e.g. "5m".
+    #[serde(default)]
+    pub deadline: Option<String>,
+}
+
+/// `POST /v1/runs/{id}/cancel` (the body is optional).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelRequest {
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// An operator's decision on one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    Approve,
+    Reject,
+}
+
+/// `POST /v1/runs/{id}/approvals/{call_id}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionRequest {
+    pub decision: Decision,
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// Approve with edited arguments (validated again).
+    #[serde(default)]
+    pub arguments: Option<Value>,
+}
+
+/// `POST /v1/runs/{id}/input`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputRequest {
+    pub text: String,
+}
+
+/// `GET /v1/runs` query.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ListQuery {
+    #[serde(default)]
+    pub status: Option<String>,
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default)]
+    pub limit: Option<usize>,
+    #[serde(default)]
+    pub cursor: Option<String>,
+}
+
+/// `GET /v1/runs/{id}/events` query.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct EventsQuery {
+    #[serde(default)]
+    pub after: Option<u64>,
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+/// Token and call counts of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UsageDto {
+    pub turns: u32,
+    pub tool_calls: u32,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// A run's limits; `deadline` is an RFC 3339 time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BudgetDto {
+    pub max_turns: u32,
+    pub max_tool_calls: u32,
+    pub max_tokens: u64,
+    pub deadline: Option<String>,
+}
+
+/// A call waiting for an operator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingApprovalDto {
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: Value,
+    /// `approval` (the tool needs one) or `outcome_unknown` (a crash left it unknown).
+    pub reason: String,
+}
+
+/// The run as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunDto {
+    pub id: String,
+    pub agent: String,
+    pub status: String,
+    pub phase: Option<String>,
+    pub turn: u32,
+    pub usage: UsageDto,
+    pub budget: BudgetDto,
+    pub pending_approvals: Vec<PendingApprovalDto>,
+    /// The model's question while `waiting_input`.
+    pub awaiting_input: Option<String>,
+    pub output: Option<Value>,
+    pub error: Option<RunError>,
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub metadata: Value,
+    pub created_at: String,
+    pub updated_at: String,
+    pub version: u64,
+}
+
+impl From<&RunState> for RunDto {
+    fn from(r: &RunState) -> Self {
+        RunDto {
+            id: r.id.to_string(),
+            agent: r.agent.clone(),
+            status: r.status.as_str().to_owned(),
+            phase: r.phase.map(|p| p.as_str().to_owned()),
+            turn: r.turn,
+            usage: UsageDto {
+                turns: r.usage.turns,
+                tool_calls: r.usage.tool_calls,
+                input_tokens: r.usage.input_tokens,
+                output_tokens: r.usage.output_tokens,
+            },
+            budget: BudgetDto {
+                max_turns: r.budget.max_turns,
+                max_tool_calls: r.budget.max_tool_calls,
+                max_tokens: r.budget.max_tokens,
+                deadline: r.budget.deadline_ms.map(rfc3339),
+            },
+            pending_approvals: r
+                .pending_approvals()
+                .map(|c| PendingApprovalDto {
+                    call_id: c.call_id.to_string(),
+                    tool: c.tool.clone(),
+                    arguments: c.arguments.clone(),
+                    reason: match c.status {
+                        CallStatus::OutcomeUnknown => "outcome_unknown",
+                        _ => "approval",
+                    }
+                    .to_owned(),
+                })
+                .collect(),
+            awaiting_input: r.question.as_ref().map(|(q, _)| q.clone()),
+            output: r.output.clone(),
+            error: r.error.clone(),
+            metadata: r.metadata.clone(),
+            created_at: rfc3339(r.created_at_ms),
+            updated_at: rfc3339(r.updated_at_ms),
+            version: r.version,
+        }
+    }
+}
+
+/// One page of `GET /v1/runs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunListDto {
+    pub runs: Vec<RunDto>,
+    pub next_cursor: Option<String>,
+}
+
+/// One event of a run's log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventDto {
+    pub seq: u64,
+    pub at: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub data: Value,
+}
+
+impl From<&EventRecord> for EventDto {
+    fn from(e: &EventRecord) -> Self {
+        EventDto {
+            seq: e.seq,
+            at: rfc3339(e.at_ms),
+            kind: e.kind.clone(),
+            data: e.data.clone(),
+        }
+    }
+}
+
+/// `GET /v1/runs/{id}/events`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventListDto {
+    pub events: Vec<EventDto>,
+}
+
+/// A tool as an agent offers it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolDto {
+    pub name: String,
+    pub description: String,
+    pub parameters: Value,
+}
+
+/// A configured agent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentDto {
+    pub name: String,
+    pub model: String,
+    pub tools: Vec<ToolDto>,
+}
+
+impl From<&AgentInfo> for AgentDto {
+    fn from(a: &AgentInfo) -> Self {
+        AgentDto {
+            name: a.name.clone(),
+            model: a.model.clone(),
+            tools: a
+                .tools
+                .iter()
+                .map(|t| ToolDto {
+                    name: t.name.clone(),
+                    description: t.description.clone(),
+                    parameters: t.parameters.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// `GET /v1/agents`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentListDto {
+    pub agents: Vec<AgentDto>,
+}
+
+/// `GET /healthz`, `GET /readyz`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HealthDto {
+    pub status: String,
+}

@@ -1,0 +1,244 @@
+//! The OpenAPI 3.1 document of the API, written by hand next to API.md. A test checks that its
+//! paths and methods are exactly those of `api::ROUTES`.
+
+use serde_json::{Value, json};
+
+fn err(desc: &str) -> Value {
+    json!({ "description": desc, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } })
+}
+
+fn run_ok(desc: &str) -> Value {
+    json!({ "description": desc, "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Run" } } } })
+}
+
+fn body(schema: &str, required: bool) -> Value {
+    json!({ "required": required, "content": { "application/json": { "schema": { "$ref": format!("#/components/schemas/{schema}") } } } })
+}
+
+fn id_param() -> Value {
+    json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string", "pattern": "^run_[A-Za-z0-9_-]+$" } })
+}
+
+fn control_responses() -> Value {
+    json!({
+        "200": run_ok("The run after the request was applied (the same answer when repeated)."),
+        "400": err("Invalid JSON."),
+        "401": err("Missing or unknown token."),
+        "404": err("No such run (or another tenant's), or no such call."),
+        "409": err("The run's state does not allow this (`error.status` is the current status)."),
+        "413": err("Body too large."),
+        "422": err("Wrong shape or value."),
+        "503": err("Store unavailable or shutting down.")
+    })
+}
+
+/// The document.
+pub fn document() -> Value {
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "agentd",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "Runs LLM agent runs safely: start, follow, cancel, approve and give input."
+        },
+        "components": {
+            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
+            "schemas": {
+                "Error": {
+                    "type": "object", "required": ["error"],
+                    "properties": { "error": { "type": "object", "required": ["code", "message"], "properties": {
+                        "code": { "type": "string" }, "message": { "type": "string" },
+                        "status": { "type": "string", "description": "The run's current status (invalid_state only)." } } } }
+                },
+                "CreateRun": {
+                    "type": "object", "required": ["agent", "input"], "additionalProperties": false,
+                    "properties": {
+                        "agent": { "type": "string" },
+                        "input": { "description": "The goal: text or any JSON value." },
+                        "idempotency_key": { "type": "string", "maxLength": 255 },
+                        "budget": { "type": "object", "additionalProperties": false, "properties": {
+                            "max_turns": { "type": "integer", "minimum": 1 },
+                            "max_tool_calls": { "type": "integer", "minimum": 1 },
+                            "max_tokens": { "type": "integer", "minimum": 1 },
+                            "deadline": { "type": "string", "examples": ["5m"] } } },
+                        "metadata": {}
+                    }
+                },
+                "Cancel": { "type": "object", "additionalProperties": false, "properties": { "reason": { "type": "string" } } },
+                "Decision": {
+                    "type": "object", "required": ["decision"], "additionalProperties": false,
+                    "properties": {
+                        "decision": { "enum": ["approve", "reject"] },
+                        "reason": { "type": "string" },
+                        "arguments": { "type": "object", "description": "Approve with edited arguments (validated again)." }
+                    }
+                },
+                "Input": { "type": "object", "required": ["text"], "additionalProperties": false, "properties": { "text": { "type": "string" } } },
+                "Run": {
+                    "type": "object",
+                    "required": ["id", "agent", "status", "phase", "turn", "usage", "budget", "pending_approvals", "awaiting_input", "output", "error", "created_at", "updated_at", "version"],
+                    "properties": {
+                        "id": { "type": "string" },
+                        "agent": { "type": "string" },
+                        "status": { "enum": ["created", "running", "waiting_approval", "waiting_input", "succeeded", "failed", "cancelled"] },
+                        "phase": { "type": ["string", "null"] },
+                        "turn": { "type": "integer" },
+                        "usage": { "type": "object", "properties": {
+                            "turns": { "type": "integer" }, "tool_calls": { "type": "integer" },
+                            "input_tokens": { "type": "integer" }, "output_tokens": { "type": "integer" } } },
+                        "budget": { "type": "object", "properties": {
+                            "max_turns": { "type": "integer" }, "max_tool_calls": { "type": "integer" },
+                            "max_tokens": { "type": "integer" }, "deadline": { "type": ["string", "null"], "format": "date-time" } } },
+                        "pending_approvals": { "type": "array", "items": { "type": "object", "properties": {
+                            "call_id": { "type": "string" }, "tool": { "type": "string" }, "arguments": {},
+                            "reason": { "enum": ["approval", "outcome_unknown"] } } } },
+                        "awaiting_input": { "type": ["string", "null"] },
+                        "output": {},
+                        "error": { "type": ["object", "null"], "properties": { "code": { "type": "string" }, "message": { "type": "string" } } },
+                        "metadata": {},
+                        "created_at": { "type": "string", "format": "date-time" },
+                        "updated_at": { "type": "string", "format": "date-time" },
+                        "version": { "type": "integer" }
+                    }
+                },
+                "Event": {
+                    "type": "object", "required": ["seq", "at", "type", "data"],
+                    "properties": { "seq": { "type": "integer" }, "at": { "type": "string", "format": "date-time" }, "type": { "type": "string" }, "data": {} }
+                },
+                "Agent": {
+                    "type": "object",
+                    "properties": { "name": { "type": "string" }, "model": { "type": "string" }, "tools": { "type": "array", "items": {
+                        "type": "object", "properties": { "name": { "type": "string" }, "description": { "type": "string" }, "parameters": {} } } } }
+                }
+            }
+        },
+        "security": [{ "bearer": [] }],
+        "paths": {
+            "/v1/runs": {
+                "post": {
+                    "operationId": "createRun", "summary": "Start a run",
+                    "requestBody": body("CreateRun", true),
+                    "responses": {
+                        "201": run_ok("The new run, durably stored."),
+                        "200": run_ok("The run this idempotency_key already started."),
+                        "400": err("Invalid JSON."), "401": err("Missing or unknown token."),
+                        "413": err("Body or input too large."),
+                        "422": err("Wrong shape, unknown agent, budget out of range, or idempotency key reused with another input."),
+                        "429": err("Too many active runs for the tenant (Retry-After)."),
+                        "503": err("Store unavailable.")
+                    }
+                },
+                "get": {
+                    "operationId": "listRuns", "summary": "The tenant's runs, newest first",
+                    "parameters": [
+                        { "name": "status", "in": "query", "schema": { "type": "string" } },
+                        { "name": "agent", "in": "query", "schema": { "type": "string" } },
+                        { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1, "default": 20 } },
+                        { "name": "cursor", "in": "query", "schema": { "type": "string" } }
+                    ],
+                    "responses": {
+                        "200": { "description": "One page.", "content": { "application/json": { "schema": {
+                            "type": "object", "properties": { "runs": { "type": "array", "items": { "$ref": "#/components/schemas/Run" } }, "next_cursor": { "type": ["string", "null"] } } } } } },
+                        "400": err("Malformed query."), "401": err("Missing or unknown token.")
+                    }
+                }
+            },
+            "/v1/runs/{id}": {
+                "get": {
+                    "operationId": "getRun", "summary": "One run",
+                    "parameters": [id_param()],
+                    "responses": { "200": run_ok("The run."), "401": err("Missing or unknown token."), "404": err("No such run.") }
+                }
+            },
+            "/v1/runs/{id}/events": {
+                "get": {
+                    "operationId": "runEvents", "summary": "The run's events; live as SSE with Accept: text/event-stream",
+                    "parameters": [
+                        id_param(),
+                        { "name": "after", "in": "query", "schema": { "type": "integer", "minimum": 0 } },
+                        { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1, "maximum": 1000 } },
+                        { "name": "Last-Event-ID", "in": "header", "schema": { "type": "string" }, "description": "SSE resume: events after this seq, each once." }
+                    ],
+                    "responses": {
+                        "200": { "description": "Events in order.", "content": {
+                            "application/json": { "schema": { "type": "object", "properties": { "events": { "type": "array", "items": { "$ref": "#/components/schemas/Event" } } } } },
+                            "text/event-stream": { "schema": { "type": "string", "description": "id: seq, event: type, data: the Event JSON; ends after the terminal event." } } } },
+                        "400": err("Malformed after or Last-Event-ID."), "401": err("Missing or unknown token."), "404": err("No such run.")
+                    }
+                }
+            },
+            "/v1/runs/{id}/cancel": {
+                "post": {
+                    "operationId": "cancelRun", "summary": "Cancel a run (idempotent)",
+                    "parameters": [id_param()],
+                    "requestBody": body("Cancel", false),
+                    "responses": control_responses()
+                }
+            },
+            "/v1/runs/{id}/approvals/{call_id}": {
+                "post": {
+                    "operationId": "decideCall", "summary": "Approve or reject one pending tool call, once",
+                    "parameters": [id_param(), { "name": "call_id", "in": "path", "required": true, "schema": { "type": "string", "pattern": "^call_[A-Za-z0-9_-]+$" } }],
+                    "requestBody": body("Decision", true),
+                    "responses": control_responses()
+                }
+            },
+            "/v1/runs/{id}/input": {
+                "post": {
+                    "operationId": "giveInput", "summary": "Answer waiting_input, or queue input for a running run",
+                    "parameters": [id_param()],
+                    "requestBody": body("Input", true),
+                    "responses": control_responses()
+                }
+            },
+            "/v1/agents": {
+                "get": {
+                    "operationId": "listAgents", "summary": "The configured agents and their tools",
+                    "responses": {
+                        "200": { "description": "Agents.", "content": { "application/json": { "schema": {
+                            "type": "object", "properties": { "agents": { "type": "array", "items": { "$ref": "#/components/schemas/Agent" } } } } } } },
+                        "401": err("Missing or unknown token.")
+                    }
+                }
+            },
+            "/healthz": { "get": { "operationId": "healthz", "summary": "The process is alive", "security": [],
+                "responses": { "200": { "description": "Alive." } } } },
+            "/readyz": { "get": { "operationId": "readyz", "summary": "Ready: started, not draining, store reachable", "security": [],
+                "responses": { "200": { "description": "Ready." }, "503": err("Not ready.") } } },
+            "/metrics": { "get": { "operationId": "metrics", "summary": "Prometheus metrics", "security": [],
+                "responses": { "200": { "description": "Prometheus text.", "content": { "text/plain": { "schema": { "type": "string" } } } } } } },
+            "/openapi.json": { "get": { "operationId": "openapi", "summary": "This document", "security": [],
+                "responses": { "200": { "description": "OpenAPI 3.1." } } } }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn every_route_is_documented_and_every_documented_route_exists() {
+        let doc = super::document();
+        let mut documented = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for method in item.as_object().unwrap().keys() {
+                documented.insert((method.to_uppercase(), path.clone()));
+            }
+        }
+        let routed: BTreeSet<(String, String)> = crate::api::ROUTES
+            .iter()
+            .map(|r| (r.method.to_owned(), r.path.to_owned()))
+            .collect();
+        assert_eq!(documented, routed);
+        for r in crate::api::ROUTES {
+            let op = &doc["paths"][r.path][r.method.to_lowercase()];
+            assert_eq!(
+                op["security"] == serde_json::json!([]),
+                !r.auth,
+                "{}",
+                r.path
+            );
+        }
+    }
+}

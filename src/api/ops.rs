@@ -1,0 +1,70 @@
+//! Operational routes: agents, health, readiness, metrics and the OpenAPI document.
+
+use std::sync::atomic::Ordering;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+
+use super::AppState;
+use super::dto::{AgentDto, AgentListDto, HealthDto};
+use super::error::ApiError;
+
+/// `GET /v1/agents`: every configured agent with its tools (the same for every tenant).
+pub async fn agents(State(s): State<AppState>) -> Json<AgentListDto> {
+    Json(AgentListDto {
+        agents: s.runtime.agents().iter().map(AgentDto::from).collect(),
+    })
+}
+
+/// `GET /healthz`: the process answers.
+pub async fn healthz() -> Json<HealthDto> {
+    Json(HealthDto {
+        status: "ok".into(),
+    })
+}
+
+/// `GET /readyz`: started, not draining, and the store answers.
+pub async fn readyz(State(s): State<AppState>) -> Result<Json<HealthDto>, ApiError> {
+    if !s.ready.load(Ordering::SeqCst) {
+        return Err(ApiError::unavailable(
+            "not_ready",
+            "the daemon is starting or shutting down",
+        ));
+    }
+    s.runtime.ready().await.map_err(|e| {
+        tracing::warn!(error = %e, "readiness check: store unreachable");
+        ApiError::unavailable("store_unavailable", "the store is unreachable")
+    })?;
+    Ok(Json(HealthDto {
+        status: "ready".into(),
+    }))
+}
+
+/// `GET /metrics`: Prometheus text (runtime, pools, HTTP). No tenant names appear here.
+pub async fn metrics(State(s): State<AppState>) -> Response {
+    let mut out = s.runtime.render_metrics();
+    s.http.render(&mut out);
+    out.push_str(&format!(
+        "# HELP agentd_ready Whether the daemon takes traffic.\n# TYPE agentd_ready gauge\nagentd_ready {}\n",
+        u8::from(s.ready.load(Ordering::SeqCst))
+    ));
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}
+
+/// `GET /openapi.json`.
+pub async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        super::openapi::document().to_string(),
+    )
+        .into_response()
+}

@@ -1,0 +1,588 @@
+//! The `agentd` command line: `serve` (in `main.rs`), and the client commands that talk to a
+//! daemon over HTTP (`run`, `runs …`, `agents`, `healthcheck`) plus `config check`.
+//!
+//! Exit codes of `run --follow` and `runs events --follow` (see `EXIT_CODES`).
+
+pub mod client;
+pub mod timeline;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::api::dto::{AgentListDto, EventListDto, RunDto, RunListDto};
+use crate::config::Config;
+use client::Client;
+
+/// Exit codes, shown in `--help`.
+pub const EXIT_CODES: &str = "\
+Exit codes:
+  0  success (with --follow: the run succeeded)
+  1  with --follow: the run failed
+  2  with --follow: the run was cancelled
+  3  with --follow: the run waits for an operator (approval or input); the commands to run are printed
+  4  the request failed (daemon unreachable, API error, bad config)
+  64 usage error";
+
+/// Exit code: the run failed.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit code: the run was cancelled.
+pub const EXIT_CANCELLED: i32 = 2;
+/// Exit code: the run waits for an operator.
+pub const EXIT_WAITING: i32 = 3;
+/// Exit code: the command could not complete.
+pub const EXIT_ERROR: i32 = 4;
+/// Exit code: bad usage.
+pub const EXIT_USAGE: i32 = 64;
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+/// Log line format of `serve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// agentd: runs many LLM agent runs at once and keeps each one safe.
+#[derive(Debug, Parser)]
+#[command(name = "agentd", version, after_help = EXIT_CODES)]
+pub struct Cli {
+    /// URL of the daemon (client commands).
+    #[arg(
+        long,
+        global = true,
+        env = "AGENTD_URL",
+        default_value = "http://127.0.0.1:7700"
+    )]
+    pub url: String,
+    /// Bearer token of your tenant (client commands).
+    #[arg(long, global = true, env = "AGENTD_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Output format of client commands.
+    #[arg(long, global = true, value_enum, default_value = "table")]
+    pub output: Output,
+    /// Log format (logs go to stdout for `serve`, stderr otherwise; filter with RUST_LOG).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "AGENTD_LOG_FORMAT",
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon. Without --config: the built-in demo (agents `demo` and `demo_approval`,
+    /// tenant `dev` whose token is $AGENTD_TOKEN or a generated one printed at start).
+    Serve(ServeArgs),
+    /// Start a run of AGENT with INPUT; with --follow, stream its timeline until it ends.
+    Run(RunArgs),
+    /// Inspect and control runs.
+    #[command(subcommand)]
+    Runs(RunsCommand),
+    /// The configured agents and their tools.
+    Agents,
+    /// Exit 0 when GET /healthz answers 200 (for container health checks).
+    Healthcheck {
+        /// Give up after this long.
+        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Configuration tools.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Load generator: N concurrent runs of K tool steps on the scripted model and the echo
+    /// tool, in this process; prints steps per second, step latency and memory per run.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Concurrent runs.
+    #[arg(long, default_value_t = 1000)]
+    pub runs: usize,
+    /// Tool steps per run.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u32,
+    /// Store: memory:, file:DIR or redis://HOST:PORT/DB (a fresh namespace is used).
+    #[arg(long, default_value = "memory:")]
+    pub store: String,
+    /// Scripted model latency per call, e.g. 50ms (0 measures the runtime alone).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pub model_delay: Duration,
+    /// Model pool size.
+    #[arg(long, default_value_t = 256)]
+    pub model_workers: usize,
+    /// Tool pool size.
+    #[arg(long, default_value_t = 256)]
+    pub tool_workers: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// TOML configuration file (see config/default.toml).
+    #[arg(long, env = "AGENTD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listen address; overrides [server] listen.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Store URL; overrides [store] url.
+    #[arg(long)]
+    pub store: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    pub agent: String,
+    /// The goal (text; with --json-input, a JSON value).
+    pub input: String,
+    /// Parse INPUT as JSON.
+    #[arg(long)]
+    pub json_input: bool,
+    /// Stream the run's timeline until it ends or waits for an operator.
+    #[arg(long)]
+    pub follow: bool,
+    /// With --follow: keep following while the run waits for an operator.
+    #[arg(long, requires = "follow")]
+    pub wait: bool,
+    /// The same key returns the same run.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    #[arg(long)]
+    pub max_turns: Option<u32>,
+    #[arg(long)]
+    pub max_tool_calls: Option<u32>,
+    #[arg(long)]
+    pub max_tokens: Option<u64>,
+    /// Wall-clock limit, e.g. "5m".
+    #[arg(long)]
+    pub deadline: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunsCommand {
+    /// The tenant's runs, newest first.
+    List {
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long)]
+        agent: Option<String>,
+        #[arg(long)]
+        limit: Option<usize>,
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// One run.
+    Get { id: String },
+    /// The run's events; with --follow, live until it ends.
+    Events {
+        id: String,
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        #[arg(long)]
+        follow: bool,
+        /// With --follow: keep following while the run waits for an operator.
+        #[arg(long, requires = "follow")]
+        wait: bool,
+    },
+    /// Cancel a run (idempotent).
+    Cancel {
+        id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Approve a pending tool call (optionally with edited arguments).
+    Approve {
+        id: String,
+        call_id: String,
+        /// Edited arguments, as JSON.
+        #[arg(long)]
+        arguments: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Reject a pending tool call.
+    Reject {
+        id: String,
+        call_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Answer a run waiting for input (or queue input for a running run).
+    Input { id: String, text: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate the configuration and print the effective result (secrets redacted).
+    Check {
+        #[arg(long, env = "AGENTD_CONFIG")]
+        config: Option<PathBuf>,
+    },
+}
+
+fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn short(v: &Value, max: usize) -> String {
+    let s = match v {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    };
+    if s.chars().count() > max {
+        let cut: String = s.chars().take(max.saturating_sub(1)).collect();
+        format!("{cut}…")
+    } else {
+        s
+    }
+}
+
+fn print_run(run: &RunDto, output: Output) -> anyhow::Result<()> {
+    if output == Output::Json {
+        return print_json(run);
+    }
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    let row = |t: &mut Table, k: &str, v: String| {
+        t.add_row(vec![k.to_owned(), v]);
+    };
+    row(&mut t, "id", run.id.clone());
+    row(&mut t, "agent", run.agent.clone());
+    row(
+        &mut t,
+        "status",
+        match &run.phase {
+            Some(p) => format!("{} ({p})", run.status),
+            None => run.status.clone(),
+        },
+    );
+    row(&mut t, "turn", run.turn.to_string());
+    row(
+        &mut t,
+        "usage",
+        format!(
+            "{} turns, {} tool calls, {} in / {} out tokens",
+            run.usage.turns, run.usage.tool_calls, run.usage.input_tokens, run.usage.output_tokens
+        ),
+    );
+    for p in &run.pending_approvals {
+        row(
+            &mut t,
+            "pending",
+            format!(
+                "{} {}({}) [{}]\napprove: agentd runs approve {} {}",
+                p.call_id,
+                p.tool,
+                short(&p.arguments, 80),
+                p.reason,
+                run.id,
+                p.call_id
+            ),
+        );
+    }
+    if let Some(q) = &run.awaiting_input {
+        row(&mut t, "question", q.clone());
+    }
+    if let Some(o) = &run.output {
+        row(&mut t, "output", short(o, 400));
+    }
+    if let Some(e) = &run.error {
+        row(&mut t, "error", format!("{}: {}", e.code, e.message));
+    }
+    row(&mut t, "created", run.created_at.clone());
+    row(&mut t, "updated", run.updated_at.clone());
+    println!("{t}");
+    Ok(())
+}
+
+fn print_runs(list: &RunListDto, output: Output) -> anyhow::Result<()> {
+    if output == Output::Json {
+        return print_json(list);
+    }
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "ID",
+        "AGENT",
+        "STATUS",
+        "TURN",
+        "TOOL CALLS",
+        "UPDATED",
+    ]);
+    for r in &list.runs {
+        t.add_row(vec![
+            r.id.clone(),
+            r.agent.clone(),
+            r.status.clone(),
+            r.turn.to_string(),
+            r.usage.tool_calls.to_string(),
+            r.updated_at.clone(),
+        ]);
+    }
+    println!("{t}");
+    if let Some(c) = &list.next_cursor {
+        println!("more: --cursor {c}");
+    }
+    Ok(())
+}
+
+fn query(pairs: &[(&str, Option<String>)]) -> String {
+    let parts: Vec<String> = pairs
+        .iter()
+        .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k}={}", url_escape(v))))
+        .collect();
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", parts.join("&"))
+    }
+}
+
+fn url_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+fn path_segment(s: &str) -> String {
+    url_escape(s)
+}
+
+/// Runs a client command; returns the process exit code.
+pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
+    let output = cli.output;
+    let client = || Client::new(&cli.url, cli.token.clone());
+    match cli.command {
+        Command::Serve(_) | Command::Bench(_) => {
+            anyhow::bail!("`serve` and `bench` are handled by main")
+        }
+        Command::Config(ConfigCommand::Check { config }) => {
+            let cfg = Config::load(config.as_deref(), std::env::vars())?;
+            cfg.validate()?;
+            if output == Output::Json {
+                print_json(&cfg.redacted())?;
+            } else {
+                print!("{}", cfg.to_redacted_toml()?);
+            }
+            eprintln!("configuration is valid");
+            Ok(0)
+        }
+        Command::Healthcheck { timeout } => {
+            let status = client()?.status("/healthz", timeout).await?;
+            if status.is_success() {
+                Ok(0)
+            } else {
+                eprintln!("unhealthy: /healthz answered {status}");
+                Ok(EXIT_ERROR)
+            }
+        }
+        Command::Agents => {
+            let list: AgentListDto = client()?.call(Method::GET, "/v1/agents", None).await?;
+            if output == Output::Json {
+                print_json(&list)?;
+            } else {
+                let mut t = Table::new();
+                t.load_style(UTF8_FULL_CONDENSED);
+                t.set_header(vec!["AGENT", "MODEL", "TOOLS"]);
+                for a in &list.agents {
+                    let tools: Vec<&str> = a.tools.iter().map(|t| t.name.as_str()).collect();
+                    t.add_row(vec![a.name.clone(), a.model.clone(), tools.join(", ")]);
+                }
+                println!("{t}");
+            }
+            Ok(0)
+        }
+        Command::Run(args) => {
+            let c = client()?;
+            let input = if args.json_input {
+                serde_json::from_str::<Value>(&args.input).context("INPUT is not valid JSON")?
+            } else {
+                Value::String(args.input.clone())
+            };
+            let mut body = json!({ "agent": args.agent, "input": input });
+            if let Some(k) = &args.idempotency_key {
+                body["idempotency_key"] = json!(k);
+            }
+            let mut budget = serde_json::Map::new();
+            if let Some(v) = args.max_turns {
+                budget.insert("max_turns".into(), json!(v));
+            }
+            if let Some(v) = args.max_tool_calls {
+                budget.insert("max_tool_calls".into(), json!(v));
+            }
+            if let Some(v) = args.max_tokens {
+                budget.insert("max_tokens".into(), json!(v));
+            }
+            if let Some(v) = &args.deadline {
+                budget.insert("deadline".into(), json!(v));
+            }
+            if !budget.is_empty() {
+                body["budget"] = Value::Object(budget);
+            }
+            let run: RunDto = c.call(Method::POST, "/v1/runs", Some(&body)).await?;
+            if !args.follow {
+                print_run(&run, output)?;
+                return Ok(0);
+            }
+            timeline::follow(&c, &run.id, 0, args.wait, output).await
+        }
+        Command::Runs(cmd) => {
+            let c = client()?;
+            match cmd {
+                RunsCommand::List {
+                    status,
+                    agent,
+                    limit,
+                    cursor,
+                } => {
+                    let q = query(&[
+                        ("status", status),
+                        ("agent", agent),
+                        ("limit", limit.map(|l| l.to_string())),
+                        ("cursor", cursor),
+                    ]);
+                    let list: RunListDto =
+                        c.call(Method::GET, &format!("/v1/runs{q}"), None).await?;
+                    print_runs(&list, output)?;
+                    Ok(0)
+                }
+                RunsCommand::Get { id } => {
+                    let run: RunDto = c
+                        .call(
+                            Method::GET,
+                            &format!("/v1/runs/{}", path_segment(&id)),
+                            None,
+                        )
+                        .await?;
+                    print_run(&run, output)?;
+                    Ok(0)
+                }
+                RunsCommand::Events {
+                    id,
+                    after,
+                    follow,
+                    wait,
+                } => {
+                    if follow {
+                        return timeline::follow(&c, &path_segment(&id), after, wait, output).await;
+                    }
+                    let list: EventListDto = c
+                        .call(
+                            Method::GET,
+                            &format!("/v1/runs/{}/events?after={after}", path_segment(&id)),
+                            None,
+                        )
+                        .await?;
+                    if output == Output::Json {
+                        print_json(&list)?;
+                    } else {
+                        let mut t = Table::new();
+                        t.load_style(UTF8_FULL_CONDENSED);
+                        t.set_header(vec!["SEQ", "AT", "TYPE", "DATA"]);
+                        for e in &list.events {
+                            t.add_row(vec![
+                                e.seq.to_string(),
+                                e.at.clone(),
+                                e.kind.clone(),
+                                short(&e.data, 100),
+                            ]);
+                        }
+                        println!("{t}");
+                    }
+                    Ok(0)
+                }
+                RunsCommand::Cancel { id, reason } => {
+                    let body = json!({ "reason": reason });
+                    let run: RunDto = c
+                        .call(
+                            Method::POST,
+                            &format!("/v1/runs/{}/cancel", path_segment(&id)),
+                            Some(&body),
+                        )
+                        .await?;
+                    print_run(&run, output)?;
+                    Ok(0)
+                }
+                RunsCommand::Approve {
+                    id,
+                    call_id,
+                    arguments,
+                    reason,
+                } => {
+                    let mut body = json!({ "decision": "approve", "reason": reason });
+                    if let Some(a) = arguments {
+                        body["arguments"] =
+                            serde_json::from_str(&a).context("--arguments is not valid JSON")?;
+                    }
+                    decide(&c, &id, &call_id, &body, output).await
+                }
+                RunsCommand::Reject {
+                    id,
+                    call_id,
+                    reason,
+                } => {
+                    let body = json!({ "decision": "reject", "reason": reason });
+                    decide(&c, &id, &call_id, &body, output).await
+                }
+                RunsCommand::Input { id, text } => {
+                    let body = json!({ "text": text });
+                    let run: RunDto = c
+                        .call(
+                            Method::POST,
+                            &format!("/v1/runs/{}/input", path_segment(&id)),
+                            Some(&body),
+                        )
+                        .await?;
+                    print_run(&run, output)?;
+                    Ok(0)
+                }
+            }
+        }
+    }
+}
+
+async fn decide(
+    c: &Client,
+    id: &str,
+    call_id: &str,
+    body: &Value,
+    output: Output,
+) -> anyhow::Result<i32> {
+    let run: RunDto = c
+        .call(
+            Method::POST,
+            &format!(
+                "/v1/runs/{}/approvals/{}",
+                path_segment(id),
+                path_segment(call_id)
+            ),
+            Some(body),
+        )
+        .await?;
+    print_run(&run, output)?;
+    Ok(0)
+}

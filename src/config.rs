@@ -1,0 +1,1011 @@
+//! The daemon's configuration: one `Config` tree (TOML file, then `AGENTD__SECTION__KEY`
+//! environment overrides, then CLI flags), `validate()` with errors that name the key, the
+//! built-in demo configuration, and the mapping of `[runtime]` onto `RuntimeConfig`.
+//!
+//! Every key is documented with its default in `config/default.toml`. Unknown keys are an
+//! error. Secrets (tenant tokens, API keys) may be written `"env:NAME"` to read them from the
+//! environment; they are resolved when the daemon starts and never printed.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::model::gateway::{GatewayConfig, ModelLimits};
+use crate::model::scripted::{CassetteReply, Rule};
+use crate::pool::PoolSize;
+use crate::run::Policy;
+use crate::run::progress::ProgressPolicy;
+use crate::run::supervisor::RestartPolicy;
+use crate::runtime::RuntimeConfig;
+
+/// Prefix of environment overrides: `AGENTD__SERVER__LISTEN=0.0.0.0:7700`.
+pub const ENV_PREFIX: &str = "AGENTD__";
+
+/// Names accepted by `[tools.NAME] kind = "builtin"`, `builtin = "…"`.
+pub const BUILTINS: &[&str] = &["echo", "add", "counting"];
+
+/// What is wrong with a configuration. Messages name the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("could not read config file {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("invalid config: {0}")]
+    Parse(String),
+    #[error("{key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> Error {
+    Error::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub tenants: Vec<TenantConfig>,
+    pub models: BTreeMap<String, ModelConfig>,
+    pub tools: BTreeMap<String, ToolConfig>,
+    pub agents: BTreeMap<String, AgentConfig>,
+    pub runtime: RuntimeSection,
+    pub limits: LimitsConfig,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address the HTTP API listens on.
+    pub listen: String,
+    /// Upper bound of a graceful shutdown (HTTP drain plus stopping the runs).
+    #[serde(with = "crate::config_duration")]
+    pub shutdown_timeout: Duration,
+    /// Interval of SSE keep-alive comments.
+    #[serde(with = "crate::config_duration")]
+    pub sse_keep_alive: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:7700".into(),
+            shutdown_timeout: Duration::from_secs(10),
+            sse_keep_alive: Duration::from_secs(15),
+        }
+    }
+}
+
+/// `[store]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// `memory:` (nothing survives a restart), `file:./data` (embedded) or `redis://…`.
+    pub url: String,
+}
+
+/// The store used when none is configured.
+pub const DEFAULT_STORE_URL: &str = "file:./data";
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            url: DEFAULT_STORE_URL.into(),
+        }
+    }
+}
+
+/// A secret value: literal, or `env:NAME`. Its `Debug` never shows a literal.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.env_name().is_some() {
+            write!(f, "{:?}", self.0)
+        } else {
+            f.write_str("\"<redacted>\"")
+        }
+    }
+}
+
+impl Secret {
+    /// The variable name of an `env:NAME` reference.
+    pub fn env_name(&self) -> Option<&str> {
+        self.0.strip_prefix("env:")
+    }
+
+    /// The value, reading the environment for `env:NAME`. `key` names the setting in errors.
+    pub fn resolve(&self, key: &str) -> Result<String, Error> {
+        match self.env_name() {
+            Some(name) => match std::env::var(name) {
+                Ok(v) if !v.is_empty() => Ok(v),
+                _ => Err(invalid(
+                    key,
+                    format!("environment variable {name} is not set (or is empty)"),
+                )),
+            },
+            None => Ok(self.0.clone()),
+        }
+    }
+
+    fn redacted(&self) -> Secret {
+        if self.env_name().is_some() {
+            self.clone()
+        } else {
+            Secret("<redacted>".into())
+        }
+    }
+}
+
+/// `[[tenants]]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    pub id: String,
+    pub tokens: Vec<Secret>,
+}
+
+/// `kind` of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    Openai,
+    Scripted,
+}
+
+/// `[models.NAME]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub kind: ModelKind,
+    /// openai: base URL of the Chat Completions API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// openai: the model name sent upstream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<NonZeroU32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<NonZeroU32>,
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub timeout: Option<Duration>,
+    /// scripted: path of a JSON cassette.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cassette: Option<PathBuf>,
+    /// scripted: inline replies (reply `i` answers turn `i + 1`; the last repeats).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replies: Option<Vec<CassetteReply>>,
+    /// scripted: inline rules (the first matching rule answers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules: Option<Vec<Rule>>,
+    /// scripted: the reply when no rule matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_reply: Option<CassetteReply>,
+    /// scripted: delay before each reply.
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub delay: Option<Duration>,
+}
+
+impl ModelConfig {
+    /// A scripted model with inline replies.
+    pub fn scripted(replies: Vec<CassetteReply>) -> Self {
+        ModelConfig {
+            kind: ModelKind::Scripted,
+            base_url: None,
+            model: None,
+            api_key: None,
+            requests_per_minute: None,
+            tokens_per_minute: None,
+            timeout: None,
+            cassette: None,
+            replies: Some(replies),
+            rules: None,
+            default_reply: None,
+            delay: None,
+        }
+    }
+}
+
+/// `kind` of a tool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolKind {
+    Http,
+    Mcp,
+    Builtin,
+}
+
+/// `[tools.NAME]`. Unset policy keys keep the tool's own defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolConfig {
+    pub kind: ToolKind,
+    /// http: the URL calls are POSTed to; mcp: a streamable-HTTP server URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// http: `GET` with the same `Idempotency-Key` reconciles an unknown outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON Schema of the arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Value>,
+    /// "read" | "idempotent" | "unsafe".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effect: Option<crate::tool::ToolEffect>,
+    /// "never" | "always".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<crate::tool::ApprovalRule>,
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub timeout: Option<Duration>,
+    /// Output larger than this is cut and marked truncated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<usize>,
+    /// Calls per second across every run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_second: Option<NonZeroU32>,
+    /// A polling tool may repeat the same call without counting as no progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub polling: Option<bool>,
+    /// mcp (stdio): the server's command and arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// mcp: the tool's name on the server (default: the config key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// builtin: which built-in tool ("echo", "add", "counting").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub builtin: Option<String>,
+}
+
+impl ToolConfig {
+    /// A built-in tool with its own defaults.
+    pub fn builtin(which: &str) -> Self {
+        ToolConfig {
+            kind: ToolKind::Builtin,
+            url: None,
+            status_url: None,
+            description: None,
+            parameters: None,
+            effect: None,
+            approval: None,
+            timeout: None,
+            max_output_bytes: None,
+            requests_per_second: None,
+            polling: None,
+            command: None,
+            args: Vec::new(),
+            tool: None,
+            builtin: Some(which.into()),
+        }
+    }
+}
+
+/// `[agents.NAME]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    pub model: String,
+    #[serde(default)]
+    pub instructions: String,
+    #[serde(default)]
+    pub tools: Vec<String>,
+    #[serde(default = "default_max_turns")]
+    pub max_turns: u32,
+    #[serde(default = "default_max_tool_calls")]
+    pub max_tool_calls: u32,
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u64,
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub deadline: Option<Duration>,
+    /// JSON Schema the final answer must match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<Value>,
+}
+
+fn default_max_turns() -> u32 {
+    crate::run::Budget::default().max_turns
+}
+fn default_max_tool_calls() -> u32 {
+    crate::run::Budget::default().max_tool_calls
+}
+fn default_max_tokens() -> u64 {
+    crate::run::Budget::default().max_tokens
+}
+
+impl AgentConfig {
+    pub fn new(model: &str) -> Self {
+        AgentConfig {
+            model: model.into(),
+            instructions: String::new(),
+            tools: Vec::new(),
+            max_turns: default_max_turns(),
+            max_tool_calls: default_max_tool_calls(),
+            max_tokens: default_max_tokens(),
+            deadline: None,
+            output_schema: None,
+        }
+    }
+}
+
+/// `[runtime]`: pools, retries, restart policy and run-level policies.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeSection {
+    /// Lease owner name; keep it stable across restarts of one daemon.
+    pub node_id: String,
+    pub model_workers: usize,
+    pub model_queue: usize,
+    /// Per model attempt.
+    #[serde(with = "crate::config_duration")]
+    pub model_timeout: Duration,
+    pub model_max_attempts: u32,
+    #[serde(with = "crate::config_duration")]
+    pub model_retry_base: Duration,
+    #[serde(with = "crate::config_duration")]
+    pub model_retry_max: Duration,
+    pub tool_workers: usize,
+    pub tool_queue: usize,
+    #[serde(with = "crate::config_duration")]
+    pub lease_ttl: Duration,
+    /// How long a control request waits for the run to apply it.
+    #[serde(with = "crate::config_duration")]
+    pub control_timeout: Duration,
+    pub restart: RestartSection,
+    pub max_corrections: u32,
+    pub max_model_retries: u32,
+    pub max_verify_rejections: u32,
+    pub max_tool_retries: u32,
+    pub max_queued_input: usize,
+    /// No-progress detection: the same call this many times.
+    pub repeat_limit: u32,
+    /// No-progress detection: failed calls in a row.
+    pub failure_limit: u32,
+    /// No-progress detection: turns without a new successful call.
+    pub stale_turn_limit: u32,
+}
+
+impl Default for RuntimeSection {
+    fn default() -> Self {
+        let r = RuntimeConfig::default();
+        let p = Policy::default();
+        RuntimeSection {
+            node_id: r.node_id,
+            model_workers: r.gateway.size.workers,
+            model_queue: r.gateway.size.queue,
+            model_timeout: r.gateway.timeout,
+            model_max_attempts: r.gateway.max_attempts,
+            model_retry_base: r.gateway.retry_base,
+            model_retry_max: r.gateway.retry_max,
+            tool_workers: r.tool_pool.workers,
+            tool_queue: r.tool_pool.queue,
+            lease_ttl: r.lease_ttl,
+            control_timeout: r.control_timeout,
+            restart: RestartSection {
+                max_restarts: r.restart.max_restarts,
+                window: r.restart.window,
+                backoff_base: r.restart.backoff_base,
+                backoff_max: r.restart.backoff_max,
+            },
+            max_corrections: p.max_corrections,
+            max_model_retries: p.max_model_retries,
+            max_verify_rejections: p.max_verify_rejections,
+            max_tool_retries: p.max_tool_retries,
+            max_queued_input: p.max_queued_input,
+            repeat_limit: p.progress.repeat_limit,
+            failure_limit: p.progress.failure_limit,
+            stale_turn_limit: p.progress.stale_turn_limit,
+        }
+    }
+}
+
+/// `[runtime.restart]`: how often a crashing run is restarted before it fails `crash_loop`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RestartSection {
+    /// Crashes allowed within `window`; one more fails the run.
+    pub max_restarts: u32,
+    #[serde(with = "crate::config_duration")]
+    pub window: Duration,
+    #[serde(with = "crate::config_duration")]
+    pub backoff_base: Duration,
+    #[serde(with = "crate::config_duration")]
+    pub backoff_max: Duration,
+}
+
+impl Default for RestartSection {
+    fn default() -> Self {
+        let r = RestartPolicy::default();
+        RestartSection {
+            max_restarts: r.max_restarts,
+            window: r.window,
+            backoff_base: r.backoff_base,
+            backoff_max: r.backoff_max,
+        }
+    }
+}
+
+/// `[limits]`: bounds of the HTTP edge and per-tenant quotas.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Largest run goal (`input`), in bytes of JSON.
+    pub max_input_bytes: usize,
+    /// Largest `text` of `POST /v1/runs/{id}/input`.
+    pub max_input_text_bytes: usize,
+    /// Non-SSE requests taking longer are answered 408.
+    #[serde(with = "crate::config_duration")]
+    pub request_timeout: Duration,
+    /// Non-terminal runs per tenant; more are refused with 429. 0 = no limit.
+    pub max_active_runs_per_tenant: usize,
+    /// Largest `limit` of `GET /v1/runs`.
+    pub max_page_size: usize,
+    /// Caps on the budget a client may ask for.
+    pub max_turns: u32,
+    pub max_tool_calls: u32,
+    pub max_tokens: u64,
+    #[serde(with = "crate::config_duration")]
+    pub max_deadline: Duration,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_body_bytes: 1024 * 1024,
+            max_input_bytes: RuntimeConfig::default().max_input_bytes,
+            max_input_text_bytes: 64 * 1024,
+            request_timeout: Duration::from_secs(30),
+            max_active_runs_per_tenant: 0,
+            max_page_size: 100,
+            max_turns: 1_000,
+            max_tool_calls: 10_000,
+            max_tokens: 10_000_000,
+            max_deadline: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Sets `table[path…] = value`, creating tables on the way.
+fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), Error> {
+    let Some((last, parents)) = path.split_last() else {
+        return Ok(());
+    };
+    let mut cur = table;
+    for (i, p) in parents.iter().enumerate() {
+        let entry = cur
+            .entry(p.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = match entry {
+            toml::Value::Table(t) => t,
+            _ => {
+                return Err(invalid(
+                    path[..=i].join("."),
+                    "an environment override addresses a key inside a value that is not a table",
+                ));
+            }
+        };
+    }
+    cur.insert(last.clone(), value);
+    Ok(())
+}
+
+/// An override value: TOML if it parses as one (`42`, `true`, `["a"]`), else a string.
+fn env_value(raw: &str) -> toml::Value {
+    match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.into()),
+    }
+}
+
+impl Config {
+    /// Parses TOML text (no environment overrides).
+    pub fn from_toml(text: &str) -> Result<Config, Error> {
+        toml::from_str(text).map_err(|e| Error::Parse(e.to_string()))
+    }
+
+    /// Loads the file (or, without one, the built-in demo configuration), then applies
+    /// `AGENTD__SECTION__KEY` overrides from `env`. Does not validate.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, Error> {
+        let mut table: toml::Table = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| Error::Read {
+                    path: p.display().to_string(),
+                    message: e.to_string(),
+                })?;
+                text.parse()
+                    .map_err(|e: toml::de::Error| Error::Parse(format!("{}: {e}", p.display())))?
+            }
+            None => toml::Table::try_from(Config::demo())
+                .map_err(|e| Error::Parse(format!("demo config: {e}")))?,
+        };
+        let mut overrides: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+            .collect();
+        overrides.sort();
+        for (k, v) in overrides {
+            let path: Vec<String> = k[ENV_PREFIX.len()..]
+                .split("__")
+                .map(str::to_ascii_lowercase)
+                .collect();
+            if path.iter().any(String::is_empty) {
+                return Err(invalid(k, "malformed override (use AGENTD__SECTION__KEY)"));
+            }
+            set_path(&mut table, &path, env_value(&v))?;
+        }
+        Config::deserialize(toml::Value::Table(table)).map_err(|e| Error::Parse(e.to_string()))
+    }
+
+    /// The built-in configuration used when no file is given: a `demo` agent on a scripted
+    /// model with built-in tools, and a `dev` tenant whose token is `AGENTD_TOKEN`.
+    pub fn demo() -> Config {
+        use crate::model::scripted::CassetteCall;
+        use serde_json::json;
+        let call = |name: &str, arguments: Value| CassetteCall {
+            name: name.into(),
+            arguments,
+        };
+        let mut c = Config::default();
+        c.tenants.push(TenantConfig {
+            id: "dev".into(),
+            tokens: vec![Secret("env:AGENTD_TOKEN".into())],
+        });
+        let mut demo = ModelConfig::scripted(vec![
+            CassetteReply {
+                tool_calls: vec![call("add", json!({"a": 20, "b": 22}))],
+                ..CassetteReply::default()
+            },
+            CassetteReply {
+                tool_calls: vec![call("echo", json!({"text": "the answer is 42"}))],
+                ..CassetteReply::default()
+            },
+            CassetteReply {
+                text: Some(
+                    "20 + 22 = 42. I checked it with the add tool and echoed it back.".into(),
+                ),
+                ..CassetteReply::default()
+            },
+        ]);
+        demo.delay = Some(Duration::from_millis(300));
+        c.models.insert("demo".into(), demo);
+        let mut approval = ModelConfig::scripted(vec![
+            CassetteReply {
+                tool_calls: vec![call("record", json!({"item": "deploy 42 restarted"}))],
+                ..CassetteReply::default()
+            },
+            CassetteReply {
+                text: Some("Done: the action was recorded once.".into()),
+                ..CassetteReply::default()
+            },
+        ]);
+        approval.delay = Some(Duration::from_millis(300));
+        c.models.insert("demo_approval".into(), approval);
+        c.tools.insert("echo".into(), ToolConfig::builtin("echo"));
+        c.tools.insert("add".into(), ToolConfig::builtin("add"));
+        let mut record = ToolConfig::builtin("counting");
+        record.description = Some("Record an action in the ledger (needs approval).".into());
+        record.effect = Some(crate::tool::ToolEffect::Unsafe);
+        record.approval = Some(crate::tool::ApprovalRule::Always);
+        c.tools.insert("record".into(), record);
+        let mut agent = AgentConfig::new("demo");
+        agent.instructions =
+            "You are the agentd demo agent. Use the tools to check your work.".into();
+        agent.tools = vec!["add".into(), "echo".into()];
+        agent.max_turns = 6;
+        c.agents.insert("demo".into(), agent);
+        let mut agent = AgentConfig::new("demo_approval");
+        agent.instructions = "You record actions; each one needs an operator's approval.".into();
+        agent.tools = vec!["record".into()];
+        agent.max_turns = 6;
+        c.agents.insert("demo_approval".into(), agent);
+        c
+    }
+
+    /// Checks the whole tree; the error names the first bad key. `extra_tools` are native tools
+    /// supplied by an embedding program, which agents may list too.
+    pub fn validate_with(&self, extra_tools: &[String]) -> Result<(), Error> {
+        self.server
+            .listen
+            .parse::<std::net::SocketAddr>()
+            .map_err(|e| {
+                invalid(
+                    "server.listen",
+                    format!("{e} (write e.g. \"127.0.0.1:7700\")"),
+                )
+            })?;
+        if self.server.shutdown_timeout.is_zero() {
+            return Err(invalid("server.shutdown_timeout", "must be more than 0s"));
+        }
+        if self.server.sse_keep_alive.is_zero() {
+            return Err(invalid("server.sse_keep_alive", "must be more than 0s"));
+        }
+        let url = &self.store.url;
+        if !(url.starts_with("memory:") || url.starts_with("file:") || url.starts_with("redis")) {
+            return Err(invalid(
+                "store.url",
+                format!(
+                    "unsupported store {url:?} (use \"memory:\", \"file:PATH\" or \"redis://…\")"
+                ),
+            ));
+        }
+        if self.tenants.is_empty() {
+            return Err(invalid(
+                "tenants",
+                "at least one [[tenants]] entry is required",
+            ));
+        }
+        let mut ids = HashSet::new();
+        let mut tokens = HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            if !valid_name(&t.id) {
+                return Err(invalid(
+                    format!("tenants[{i}].id"),
+                    format!("{:?} must match ^[a-zA-Z0-9_-]{{1,64}}$", t.id),
+                ));
+            }
+            if !ids.insert(t.id.as_str()) {
+                return Err(invalid(
+                    format!("tenants[{i}].id"),
+                    format!("tenant {:?} is defined twice", t.id),
+                ));
+            }
+            if t.tokens.is_empty() {
+                return Err(invalid(
+                    format!("tenants[{i}].tokens"),
+                    "at least one token is required",
+                ));
+            }
+            for (j, tok) in t.tokens.iter().enumerate() {
+                let key = format!("tenants[{i}].tokens[{j}]");
+                if tok.env_name().is_none() && tok.0.len() < 16 {
+                    return Err(invalid(key, "a token must be at least 16 characters"));
+                }
+                if !tokens.insert(tok.0.as_str()) {
+                    return Err(invalid(key, "the same token is configured twice"));
+                }
+            }
+        }
+        for (name, m) in &self.models {
+            let key = format!("models.{name}");
+            if !valid_name(name) {
+                return Err(invalid(
+                    key,
+                    "a model name must match ^[a-zA-Z0-9_-]{1,64}$",
+                ));
+            }
+            match m.kind {
+                ModelKind::Openai => {
+                    let Some(u) = &m.base_url else {
+                        return Err(invalid(
+                            format!("{key}.base_url"),
+                            "is required for kind \"openai\"",
+                        ));
+                    };
+                    if !(u.starts_with("http://") || u.starts_with("https://")) {
+                        return Err(invalid(format!("{key}.base_url"), "must be an http(s) URL"));
+                    }
+                    if m.model.as_deref().is_none_or(str::is_empty) {
+                        return Err(invalid(
+                            format!("{key}.model"),
+                            "is required for kind \"openai\"",
+                        ));
+                    }
+                    for (k, set) in [
+                        ("cassette", m.cassette.is_some()),
+                        ("replies", m.replies.is_some()),
+                        ("rules", m.rules.is_some()),
+                        ("default_reply", m.default_reply.is_some()),
+                        ("delay", m.delay.is_some()),
+                    ] {
+                        if set {
+                            return Err(invalid(
+                                format!("{key}.{k}"),
+                                "applies only to kind \"scripted\"",
+                            ));
+                        }
+                    }
+                }
+                ModelKind::Scripted => {
+                    let sources = [m.cassette.is_some(), m.replies.is_some(), m.rules.is_some()]
+                        .into_iter()
+                        .filter(|b| *b)
+                        .count();
+                    if sources != 1 {
+                        return Err(invalid(
+                            key,
+                            "a scripted model needs exactly one of `cassette`, `replies` or `rules`",
+                        ));
+                    }
+                    if m.replies.as_ref().is_some_and(Vec::is_empty) {
+                        return Err(invalid(format!("{key}.replies"), "must not be empty"));
+                    }
+                    for (k, set) in [
+                        ("base_url", m.base_url.is_some()),
+                        ("model", m.model.is_some()),
+                        ("api_key", m.api_key.is_some()),
+                    ] {
+                        if set {
+                            return Err(invalid(
+                                format!("{key}.{k}"),
+                                "applies only to kind \"openai\"",
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        for (name, t) in &self.tools {
+            let key = format!("tools.{name}");
+            if !valid_name(name) {
+                return Err(invalid(key, "a tool name must match ^[a-zA-Z0-9_-]{1,64}$"));
+            }
+            if name == crate::run::decision::ASK_USER_TOOL {
+                return Err(invalid(key, "the name `ask_user` is reserved"));
+            }
+            let need_url = |u: &Option<String>, k: &str| -> Result<(), Error> {
+                match u {
+                    Some(u) if u.starts_with("http://") || u.starts_with("https://") => Ok(()),
+                    Some(_) => Err(invalid(format!("{key}.{k}"), "must be an http(s) URL")),
+                    None => Ok(()),
+                }
+            };
+            need_url(&t.url, "url")?;
+            need_url(&t.status_url, "status_url")?;
+            if let Some(p) = &t.parameters {
+                jsonschema::draft202012::options().build(p).map_err(|e| {
+                    invalid(
+                        format!("{key}.parameters"),
+                        format!("invalid JSON Schema: {e}"),
+                    )
+                })?;
+            }
+            match t.kind {
+                ToolKind::Http => {
+                    if t.url.is_none() {
+                        return Err(invalid(
+                            format!("{key}.url"),
+                            "is required for kind \"http\"",
+                        ));
+                    }
+                    if t.parameters.is_none() {
+                        return Err(invalid(
+                            format!("{key}.parameters"),
+                            "is required for kind \"http\"",
+                        ));
+                    }
+                }
+                ToolKind::Mcp => {
+                    if t.command.is_some() == t.url.is_some() {
+                        return Err(invalid(
+                            key,
+                            "kind \"mcp\" needs exactly one of `command` or `url`",
+                        ));
+                    }
+                }
+                ToolKind::Builtin => match t.builtin.as_deref() {
+                    Some(b) if BUILTINS.contains(&b) => {}
+                    Some(b) => {
+                        return Err(invalid(
+                            format!("{key}.builtin"),
+                            format!("unknown built-in {b:?} (one of {})", BUILTINS.join(", ")),
+                        ));
+                    }
+                    None => {
+                        return Err(invalid(
+                            format!("{key}.builtin"),
+                            "is required for kind \"builtin\"",
+                        ));
+                    }
+                },
+            }
+            if t.kind != ToolKind::Builtin && t.builtin.is_some() {
+                return Err(invalid(
+                    format!("{key}.builtin"),
+                    "applies only to kind \"builtin\"",
+                ));
+            }
+            if t.timeout.is_some_and(|d| d.is_zero()) {
+                return Err(invalid(format!("{key}.timeout"), "must be more than 0s"));
+            }
+        }
+        for (name, a) in &self.agents {
+            let key = format!("agents.{name}");
+            if !valid_name(name) {
+                return Err(invalid(
+                    key,
+                    "an agent name must match ^[a-zA-Z0-9_-]{1,64}$",
+                ));
+            }
+            if !self.models.contains_key(&a.model) {
+                return Err(invalid(
+                    format!("{key}.model"),
+                    format!("model {:?} is not defined in [models]", a.model),
+                ));
+            }
+            for t in &a.tools {
+                if !self.tools.contains_key(t) && !extra_tools.contains(t) {
+                    return Err(invalid(
+                        format!("{key}.tools"),
+                        format!("tool {t:?} is not defined in [tools]"),
+                    ));
+                }
+            }
+            if a.max_turns == 0 {
+                return Err(invalid(format!("{key}.max_turns"), "must be at least 1"));
+            }
+            if let Some(s) = &a.output_schema {
+                crate::run::verify::Verifier::json_schema(s)
+                    .map_err(|e| invalid(format!("{key}.output_schema"), e))?;
+            }
+        }
+        let r = &self.runtime;
+        for (k, v) in [
+            ("runtime.model_workers", r.model_workers),
+            ("runtime.tool_workers", r.tool_workers),
+            ("runtime.model_max_attempts", r.model_max_attempts as usize),
+        ] {
+            if v == 0 {
+                return Err(invalid(k, "must be at least 1"));
+            }
+        }
+        if !valid_name(&r.node_id) {
+            return Err(invalid(
+                "runtime.node_id",
+                "must match ^[a-zA-Z0-9_-]{1,64}$",
+            ));
+        }
+        let l = &self.limits;
+        for (k, v) in [
+            ("limits.max_body_bytes", l.max_body_bytes),
+            ("limits.max_input_bytes", l.max_input_bytes),
+            ("limits.max_input_text_bytes", l.max_input_text_bytes),
+            ("limits.max_page_size", l.max_page_size),
+        ] {
+            if v == 0 {
+                return Err(invalid(k, "must be at least 1"));
+            }
+        }
+        if l.request_timeout.is_zero() {
+            return Err(invalid("limits.request_timeout", "must be more than 0s"));
+        }
+        Ok(())
+    }
+
+    /// `validate_with` no extra tools.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.validate_with(&[])
+    }
+
+    /// A copy safe to print: literal tokens and API keys replaced (`env:NAME` references stay).
+    pub fn redacted(&self) -> Config {
+        let mut c = self.clone();
+        for t in &mut c.tenants {
+            t.tokens = t.tokens.iter().map(Secret::redacted).collect();
+        }
+        for m in c.models.values_mut() {
+            m.api_key = m.api_key.as_ref().map(Secret::redacted);
+        }
+        c
+    }
+
+    /// TOML text of the (redacted) effective configuration.
+    pub fn to_redacted_toml(&self) -> Result<String, Error> {
+        toml::to_string_pretty(&self.redacted()).map_err(|e| Error::Parse(e.to_string()))
+    }
+
+    /// The runtime's tunables.
+    pub fn runtime_config(&self) -> RuntimeConfig {
+        let r = &self.runtime;
+        let model_limits: HashMap<String, ModelLimits> = self
+            .models
+            .iter()
+            .map(|(name, m)| {
+                (
+                    name.clone(),
+                    ModelLimits {
+                        requests_per_minute: m.requests_per_minute,
+                        tokens_per_minute: m.tokens_per_minute,
+                    },
+                )
+            })
+            .collect();
+        let per_tool_rps = self
+            .tools
+            .iter()
+            .filter_map(|(n, t)| t.requests_per_second.map(|r| (n.clone(), r)))
+            .collect();
+        RuntimeConfig {
+            node_id: r.node_id.clone(),
+            gateway: GatewayConfig {
+                size: PoolSize {
+                    workers: r.model_workers,
+                    queue: r.model_queue,
+                },
+                timeout: r.model_timeout,
+                max_attempts: r.model_max_attempts,
+                retry_base: r.model_retry_base,
+                retry_max: r.model_retry_max,
+            },
+            tool_pool: PoolSize {
+                workers: r.tool_workers,
+                queue: r.tool_queue,
+            },
+            per_tool_rps,
+            model_limits,
+            restart: RestartPolicy {
+                max_restarts: r.restart.max_restarts,
+                window: r.restart.window,
+                backoff_base: r.restart.backoff_base,
+                backoff_max: r.restart.backoff_max,
+            },
+            policy: Policy {
+                max_corrections: r.max_corrections,
+                max_model_retries: r.max_model_retries,
+                max_verify_rejections: r.max_verify_rejections,
+                max_tool_retries: r.max_tool_retries,
+                max_queued_input: r.max_queued_input,
+                progress: ProgressPolicy {
+                    repeat_limit: r.repeat_limit,
+                    failure_limit: r.failure_limit,
+                    stale_turn_limit: r.stale_turn_limit,
+                },
+                ..Policy::default()
+            },
+            lease_ttl: r.lease_ttl,
+            control_timeout: r.control_timeout,
+            max_active_runs_per_tenant: match self.limits.max_active_runs_per_tenant {
+                0 => None,
+                n => Some(n),
+            },
+            max_input_bytes: self.limits.max_input_bytes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,260 @@
+//! Tests of the configuration tree: the documented defaults, unknown keys, env overrides and
+//! validation messages.
+
+use super::*;
+
+const MINIMAL: &str = r#"
+[[tenants]]
+id = "acme"
+tokens = ["a-long-random-token"]
+
+[models.m]
+kind = "scripted"
+replies = [{ text = "done" }]
+
+[tools.restart_service]
+kind = "http"
+url = "http://127.0.0.1:9000/restart"
+status_url = "http://127.0.0.1:9000/status"
+description = "Restart one service"
+parameters = { type = "object", properties = { service = { type = "string" } }, required = ["service"] }
+effect = "unsafe"
+approval = "always"
+timeout = "10s"
+
+[agents.triage]
+model = "m"
+instructions = "You diagnose failed deploys."
+tools = ["restart_service"]
+max_turns = 12
+max_tool_calls = 20
+"#;
+
+fn default_toml() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/default.toml")).unwrap()
+}
+
+#[test]
+fn default_toml_parses_to_the_defaults() {
+    let c = Config::from_toml(&default_toml()).unwrap();
+    assert_eq!(c, Config::default());
+}
+
+#[test]
+fn default_toml_documents_every_key() {
+    // Every key of the serialized demo config (which sets every section) and of the defaults
+    // appears in default.toml, commented or not.
+    let text = default_toml();
+    let mut c = Config::demo();
+    let mut model = ModelConfig::scripted(vec![]);
+    model.base_url = Some("x".into());
+    model.model = Some("x".into());
+    model.api_key = Some(Secret("x".into()));
+    model.requests_per_minute = NonZeroU32::new(1);
+    model.tokens_per_minute = NonZeroU32::new(1);
+    model.timeout = Some(Duration::from_secs(1));
+    model.cassette = Some("x".into());
+    model.rules = Some(vec![]);
+    model.default_reply = Some(CassetteReply::default());
+    model.delay = Some(Duration::from_secs(1));
+    c.models.insert("all".into(), model);
+    let mut tool = ToolConfig::builtin("echo");
+    tool.url = Some("x".into());
+    tool.status_url = Some("x".into());
+    tool.description = Some("x".into());
+    tool.parameters = Some(serde_json::json!({}));
+    tool.effect = Some(crate::tool::ToolEffect::Read);
+    tool.approval = Some(crate::tool::ApprovalRule::Never);
+    tool.timeout = Some(Duration::from_secs(1));
+    tool.max_output_bytes = Some(1);
+    tool.requests_per_second = NonZeroU32::new(1);
+    tool.polling = Some(true);
+    tool.command = Some("x".into());
+    tool.args = vec!["x".into()];
+    tool.tool = Some("x".into());
+    c.tools.insert("all".into(), tool);
+    let mut agent = AgentConfig::new("all");
+    agent.deadline = Some(Duration::from_secs(1));
+    agent.output_schema = Some(serde_json::json!({}));
+    c.agents.insert("all".into(), agent);
+    let table = toml::Table::try_from(&c).unwrap();
+    fn walk(t: &toml::Table, prefix: &str, text: &str) {
+        for (k, v) in t {
+            let path = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            if ["models", "tools", "agents"].contains(&k.as_str()) && prefix.is_empty() {
+                if let toml::Value::Table(named) = v {
+                    for inner in named.values() {
+                        if let toml::Value::Table(inner) = inner {
+                            walk_keys(inner, text);
+                        }
+                    }
+                }
+                continue;
+            }
+            match v {
+                toml::Value::Table(inner) => {
+                    assert!(
+                        text.contains(&format!("[{path}]")),
+                        "section {path} undocumented"
+                    );
+                    walk(inner, &path, text);
+                }
+                toml::Value::Array(items) if k == "tenants" => {
+                    assert!(text.contains("# [[tenants]]"));
+                    for i in items {
+                        walk_keys(i.as_table().unwrap(), text);
+                    }
+                }
+                _ => assert!(
+                    text.contains(&format!("# {k} = ")),
+                    "key {path} undocumented"
+                ),
+            }
+        }
+    }
+    fn walk_keys(t: &toml::Table, text: &str) {
+        for k in t.keys() {
+            assert!(text.contains(&format!("# {k} = ")), "key {k} undocumented");
+        }
+    }
+    walk(&table, "", &text);
+}
+
+#[test]
+fn unknown_keys_are_rejected() {
+    for bad in [
+        "[server]\nlisten = \"127.0.0.1:1\"\nlisen = 1\n",
+        "[nope]\n",
+        "[runtime.restart]\nmax_restart = 1\n",
+        &format!("{MINIMAL}\n[agents.other]\nmodel = \"m\"\ntool = []\n"),
+    ] {
+        let err = Config::from_toml(bad).unwrap_err().to_string();
+        assert!(err.contains("unknown field"), "{bad:?}: {err}");
+    }
+}
+
+#[test]
+fn api_md_example_parses_and_validates() {
+    let c = Config::from_toml(MINIMAL).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.agents["triage"].max_turns, 12);
+    assert_eq!(
+        c.tools["restart_service"].timeout,
+        Some(Duration::from_secs(10))
+    );
+}
+
+#[test]
+fn the_demo_config_validates() {
+    Config::demo().validate().unwrap();
+}
+
+#[test]
+fn validation_names_the_key() {
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.agents.get_mut("triage").unwrap().model = "x".into();
+    assert_eq!(
+        c.validate().unwrap_err().to_string(),
+        r#"agents.triage.model: model "x" is not defined in [models]"#
+    );
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.agents
+        .get_mut("triage")
+        .unwrap()
+        .tools
+        .push("nope".into());
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("agents.triage.tools:")
+    );
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.tools.get_mut("restart_service").unwrap().url = None;
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("tools.restart_service.url:")
+    );
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.tenants[0].tokens = vec![Secret("short".into())];
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("tenants[0].tokens[0]:")
+    );
+    let err = Config::from_toml("[server]\nshutdown_timeout = \"soon\"\n").unwrap_err();
+    assert!(err.to_string().contains("invalid duration"), "{err}");
+}
+
+#[test]
+fn env_overrides_apply_over_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(&path, MINIMAL).unwrap();
+    let env = [
+        ("AGENTD__SERVER__LISTEN", "0.0.0.0:9999"),
+        ("AGENTD__LIMITS__MAX_BODY_BYTES", "4096"),
+        ("AGENTD__RUNTIME__RESTART__WINDOW", "1m"),
+        ("AGENTD__AGENTS__TRIAGE__MAX_TURNS", "3"),
+        ("AGENTD_TOKEN", "ignored"),
+        ("OTHER", "ignored"),
+    ]
+    .map(|(k, v)| (k.to_owned(), v.to_owned()));
+    let c = Config::load(Some(&path), env).unwrap();
+    assert_eq!(c.server.listen, "0.0.0.0:9999");
+    assert_eq!(c.limits.max_body_bytes, 4096);
+    assert_eq!(c.runtime.restart.window, Duration::from_secs(60));
+    assert_eq!(c.agents["triage"].max_turns, 3);
+    let bad = [("AGENTD__SERVER__NOPE".to_owned(), "1".to_owned())];
+    assert!(Config::load(Some(&path), bad).is_err());
+}
+
+#[test]
+fn secrets_are_redacted_and_resolved() {
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.tenants[0]
+        .tokens
+        .push(Secret("env:AGENTD_TEST_NEVER_SET_X".into()));
+    let text = c.to_redacted_toml().unwrap();
+    assert!(!text.contains("a-long-random-token"), "{text}");
+    assert!(text.contains("env:AGENTD_TEST_NEVER_SET_X"));
+    assert!(!format!("{c:?}").contains("a-long-random-token"));
+    let err = c.tenants[0].tokens[1]
+        .resolve("tenants[0].tokens[1]")
+        .unwrap_err();
+    assert!(err.to_string().contains("AGENTD_TEST_NEVER_SET_X"));
+}
+
+#[test]
+fn runtime_section_maps_onto_runtime_config() {
+    let c = Config::from_toml(
+        "[runtime]\nmodel_workers = 7\ntool_queue = 9\n[limits]\nmax_active_runs_per_tenant = 2\n",
+    )
+    .unwrap();
+    let r = c.runtime_config();
+    assert_eq!(r.gateway.size.workers, 7);
+    assert_eq!(r.tool_pool.queue, 9);
+    assert_eq!(r.max_active_runs_per_tenant, Some(2));
+    assert_eq!(
+        Config::default()
+            .runtime_config()
+            .max_active_runs_per_tenant,
+        None
+    );
+}
+
+#[test]
+fn the_compose_config_validates() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/compose.toml"))
+        .unwrap();
+    let c = Config::from_toml(&text).unwrap();
+    c.validate().unwrap();
+    assert!(c.store.url.starts_with("redis://"));
+}

@@ -1,0 +1,135 @@
+//! The daemon as a library call: `daemon::run(config, listener, shutdown)` opens the store,
+//! builds the runtime from the configuration, serves the HTTP API on `listener`, and on
+//! `shutdown` stops in order, bounded by `server.shutdown_timeout`:
+//! readiness goes false → new connections are refused and SSE streams end → in-flight requests
+//! drain (at most half the bound) → the runtime checkpoints and stops every run → return.
+//!
+//! `main.rs` only parses arguments, loads the config, sets up tracing, binds and waits for
+//! SIGTERM/SIGINT. Tests call this directly on `127.0.0.1:0`.
+
+pub mod parts;
+
+use std::future::{Future, IntoFuture};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, AppState, HttpMetrics, auth::Auth};
+use crate::config::{self, Config};
+use crate::runtime::{Runtime, StartError};
+use crate::tool::Tool;
+pub use parts::{BuildError, build_parts, open_store};
+
+/// What an embedding program adds to the configuration.
+#[derive(Default)]
+pub struct Embedded {
+    /// Native tools, registered beside the configured ones; agents may list them by name.
+    pub tools: Vec<Arc<dyn Tool>>,
+}
+
+/// Why the daemon could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] config::Error),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error("could not start the runtime: {0}")]
+    Start(#[from] StartError),
+    #[error("the HTTP server failed: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+/// Runs the daemon until `shutdown` completes, then stops gracefully.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    run_with(config, Embedded::default(), listener, shutdown).await
+}
+
+/// `run` with native tools from the embedding program.
+pub async fn run_with(
+    config: Config,
+    embedded: Embedded,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    let extra: Vec<String> = embedded
+        .tools
+        .iter()
+        .map(|t| t.spec().name.clone())
+        .collect();
+    config.validate_with(&extra)?;
+    let mut tokens = Vec::new();
+    for (i, t) in config.tenants.iter().enumerate() {
+        for (j, tok) in t.tokens.iter().enumerate() {
+            tokens.push((
+                t.id.clone(),
+                tok.resolve(&format!("tenants[{i}].tokens[{j}]"))?,
+            ));
+        }
+    }
+    let auth = Auth::new(tokens.iter().map(|(t, k)| (t.as_str(), k.as_str())));
+    drop(tokens);
+    let store = open_store(&config.store.url).await?;
+    let parts = build_parts(&config, store, embedded.tools)?;
+    let runtime = Runtime::start(config.runtime_config(), parts).await?;
+    let state = AppState {
+        runtime: runtime.handle(),
+        auth: Arc::new(auth),
+        limits: Arc::new(config.limits.clone()),
+        sse_keep_alive: config.server.sse_keep_alive,
+        ready: Arc::new(AtomicBool::new(false)),
+        shutdown: CancellationToken::new(),
+        http: Arc::new(HttpMetrics::default()),
+    };
+    let app = api::router(state.clone());
+    let addr = listener.local_addr()?;
+    let stop = state.shutdown.clone();
+    let mut server = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop.clone().cancelled_owned())
+            .into_future(),
+    );
+    state.ready.store(true, Ordering::SeqCst);
+    tracing::info!(%addr, store = %config.store.url.split(':').next().unwrap_or(""), agents = config.agents.len(), "agentd is serving");
+
+    let early = tokio::select! {
+        () = shutdown => None,
+        r = &mut server => Some(r),
+    };
+    let bound = config.server.shutdown_timeout;
+    let started = Instant::now();
+    tracing::info!(timeout = ?bound, "shutting down");
+    state.ready.store(false, Ordering::SeqCst);
+    stop.cancel();
+    let served = match early {
+        Some(r) => r,
+        None => match tokio::time::timeout(bound / 2, &mut server).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::warn!("HTTP connections did not drain in time; closing them");
+                server.abort();
+                Ok(Ok(()))
+            }
+        },
+    };
+    let remaining = bound.saturating_sub(started.elapsed());
+    if tokio::time::timeout(remaining, runtime.shutdown(remaining / 2))
+        .await
+        .is_err()
+    {
+        tracing::warn!("runs did not stop in time; exiting anyway (they resume from checkpoints)");
+    }
+    tracing::info!(took = ?started.elapsed(), "agentd stopped");
+    match served {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(Error::Serve(e)),
+        Err(join) => Err(Error::Serve(std::io::Error::other(join.to_string()))),
+    }
+}

@@ -1,0 +1,380 @@
+//! Every route and every error code of the HTTP API.
+
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+
+use crate::daemon_support::{ALPHA, BETA, TestDaemon, assert_error};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_get_list_events_and_agents() {
+    let d = TestDaemon::start().await;
+    let (s, h, run) = d
+        .send(
+            Method::POST,
+            "/v1/runs",
+            Some(ALPHA),
+            Some(
+                json!({"agent": "quick", "input": "1+2?", "metadata": {"ticket": 7},
+                        "budget": {"max_turns": 5, "deadline": "5m"}}),
+            ),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{run}");
+    let id = run["id"].as_str().unwrap();
+    assert!(id.starts_with("run_"));
+    assert_eq!(h["location"], format!("/v1/runs/{id}").as_str());
+    for key in [
+        "id",
+        "agent",
+        "status",
+        "phase",
+        "turn",
+        "usage",
+        "budget",
+        "pending_approvals",
+        "awaiting_input",
+        "output",
+        "error",
+        "created_at",
+        "updated_at",
+        "version",
+    ] {
+        assert!(run.get(key).is_some(), "missing {key} in {run}");
+    }
+    assert_eq!(run["budget"]["max_turns"], 5);
+    assert!(run["budget"]["deadline"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(run["metadata"]["ticket"], 7);
+
+    let done = d.wait_status(ALPHA, id, "succeeded").await;
+    assert_eq!(done["output"], "3");
+    assert_eq!(done["usage"]["tool_calls"], 1);
+    assert!(done["error"].is_null());
+
+    let (s, ev) = d.get(&format!("/v1/runs/{id}/events"), ALPHA).await;
+    assert_eq!(s, StatusCode::OK);
+    let events = ev["events"].as_array().unwrap();
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(events[0]["type"], "run_created");
+    assert_eq!(events.last().unwrap()["type"], "run_succeeded");
+    assert_eq!(seqs.len() as u64, done["version"].as_u64().unwrap());
+    let (_, after) = d.get(&format!("/v1/runs/{id}/events?after=2"), ALPHA).await;
+    assert_eq!(after["events"][0]["seq"], 3);
+
+    // Listing: newest first, filters, pagination.
+    let second = d.create(ALPHA, "hang").await;
+    let (s, list) = d.get("/v1/runs", ALPHA).await;
+    assert_eq!(s, StatusCode::OK);
+    let ids: Vec<&str> = list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![second.as_str(), id]);
+    let (_, page) = d.get("/v1/runs?limit=1", ALPHA).await;
+    assert_eq!(page["runs"].as_array().unwrap().len(), 1);
+    let cursor = page["next_cursor"].as_str().unwrap();
+    let (_, page2) = d
+        .get(&format!("/v1/runs?limit=1&cursor={cursor}"), ALPHA)
+        .await;
+    assert_eq!(page2["runs"][0]["id"], id);
+    assert!(page2["next_cursor"].is_null());
+    let (_, f) = d.get("/v1/runs?status=succeeded", ALPHA).await;
+    assert_eq!(f["runs"].as_array().unwrap().len(), 1);
+    let (_, f) = d.get("/v1/runs?agent=hang", ALPHA).await;
+    assert_eq!(f["runs"][0]["id"], second.as_str());
+    let (s, b) = d.get("/v1/runs?status=bogus", ALPHA).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "invalid_query");
+    let (s, b) = d.get("/v1/runs?limit=abc", ALPHA).await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "invalid_query");
+    let (s, b) = d
+        .get(&format!("/v1/runs/{id}/events?after=-1"), ALPHA)
+        .await;
+    assert_error(s, &b, StatusCode::BAD_REQUEST, "invalid_query");
+
+    let (s, agents) = d.get("/v1/agents", ALPHA).await;
+    assert_eq!(s, StatusCode::OK);
+    let quick = agents["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "quick")
+        .unwrap();
+    assert_eq!(quick["model"], "quick");
+    assert!(
+        quick["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "add" && t["parameters"].is_object())
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_key_returns_the_same_run() {
+    let d = TestDaemon::start().await;
+    let body = json!({"agent": "hang", "input": "x", "idempotency_key": "k-1"});
+    let (s1, r1) = d.post("/v1/runs", ALPHA, body.clone()).await;
+    let (s2, r2) = d.post("/v1/runs", ALPHA, body.clone()).await;
+    assert_eq!((s1, s2), (StatusCode::CREATED, StatusCode::OK));
+    assert_eq!(r1["id"], r2["id"]);
+    // Another tenant's key space is its own.
+    let (s3, r3) = d.post("/v1/runs", BETA, body).await;
+    assert_eq!(s3, StatusCode::CREATED);
+    assert_ne!(r3["id"], r1["id"]);
+    // The same key with another input.
+    let (s, b) = d
+        .post(
+            "/v1/runs",
+            ALPHA,
+            json!({"agent": "hang", "input": "other", "idempotency_key": "k-1"}),
+        )
+        .await;
+    assert_error(
+        s,
+        &b,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency_key_mismatch",
+    );
+    let (s, b) = d
+        .post(
+            "/v1/runs",
+            ALPHA,
+            json!({"agent": "hang", "input": "x", "idempotency_key": "bad key\n"}),
+        )
+        .await;
+    assert_error(s, &b, StatusCode::UNPROCESSABLE_ENTITY, "invalid_argument");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_the_documented_codes() {
+    let d = TestDaemon::start().await;
+    let raw = |body: &'static str| {
+        d.http
+            .post(d.url("/v1/runs"))
+            .bearer_auth(ALPHA)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for body in [
+        r#"{"agent":"#,
+        "not json",
+        r#"{"agent":"quick","input":"x"} trailing"#,
+        "",
+    ] {
+        let res = raw(body).await.unwrap();
+        let s = res.status();
+        let v: Value = res.json().await.unwrap();
+        assert_error(s, &v, StatusCode::BAD_REQUEST, "invalid_json");
+    }
+    for body in [
+        json!({"agent": 5, "input": "x"}),
+        json!({"input": "x"}),
+        json!({"agent": "quick", "input": "x", "surprise": 1}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": -1}}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e9}}),
+        json!([1, 2]),
+    ] {
+        let (s, b) = d.post("/v1/runs", ALPHA, body.clone()).await;
+        assert_error(s, &b, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request");
+    }
+    for body in [
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 0}}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 100000}}),
+        json!({"agent": "quick", "input": "x", "budget": {"deadline": "soon"}}),
+        json!({"agent": "quick", "input": "x", "budget": {"deadline": "1000d"}}),
+        json!({"agent": "quick", "input": null}),
+    ] {
+        let (s, b) = d.post("/v1/runs", ALPHA, body.clone()).await;
+        assert_error(s, &b, StatusCode::UNPROCESSABLE_ENTITY, "invalid_argument");
+    }
+    let (s, b) = d
+        .post("/v1/runs", ALPHA, json!({"agent": "nope", "input": "x"}))
+        .await;
+    assert_error(s, &b, StatusCode::UNPROCESSABLE_ENTITY, "unknown_agent");
+
+    // Oversized: declared length, and a streamed (chunked) body without a length.
+    let big = format!(r#"{{"agent":"quick","input":"{}"}}"#, "a".repeat(70_000));
+    let res = d
+        .http
+        .post(d.url("/v1/runs"))
+        .bearer_auth(ALPHA)
+        .body(big.clone())
+        .send()
+        .await
+        .unwrap();
+    let s = res.status();
+    assert_error(
+        s,
+        &res.json().await.unwrap(),
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+    );
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big
+        .into_bytes()
+        .chunks(8192)
+        .map(|c| Ok(c.to_vec()))
+        .collect();
+    let res = d
+        .http
+        .post(d.url("/v1/runs"))
+        .bearer_auth(ALPHA)
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+        .send()
+        .await;
+    // The limit is enforced while streaming: either the 413 arrives, or the server closes the
+    // connection before the client finished sending (hyper's behaviour for unread bodies).
+    if let Ok(res) = res {
+        let s = res.status();
+        assert_error(
+            s,
+            &res.json().await.unwrap(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+        );
+    }
+    let (s, _, _) = d.send(Method::GET, "/healthz", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+
+    // Ids with traversal or key-breaking characters never reach the store: 404.
+    for path in [
+        "/v1/runs/run_..%2F..",
+        "/v1/runs/run_a%7Bb%7D",
+        "/v1/runs/..%2F..%2Fetc%2Fpasswd",
+        "/v1/runs/run_a:b",
+        "/v1/runs/job_1",
+        "/v1/runs/run_..%2F../events",
+    ] {
+        let (s, b) = d.get(path, ALPHA).await;
+        assert_error(s, &b, StatusCode::NOT_FOUND, "not_found");
+    }
+    let long = format!("/v1/runs/run_{}", "a".repeat(10_000));
+    let (s, b) = d.get(&long, ALPHA).await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "not_found");
+    let (s, b) = d
+        .post(
+            "/v1/runs/run_..%2F../approvals/call_1_0",
+            ALPHA,
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "not_found");
+    // Unknown route and wrong method.
+    let (s, b) = d.get("/v1/nothing", ALPHA).await;
+    assert_error(s, &b, StatusCode::NOT_FOUND, "not_found");
+    let (s, _, b) = d.send(Method::DELETE, "/v1/runs", Some(ALPHA), None).await;
+    assert_error(s, &b, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_requests_get_401_with_the_same_body() {
+    let d = TestDaemon::start().await;
+    let mut bodies = Vec::new();
+    for auth in [
+        None,
+        Some("Bearer"),
+        Some("Bearer "),
+        Some("Basic YWxwaGE6eA=="),
+        Some("Bearer wrong-token-000000000"),
+        Some("Bearer alpha-token-012345678"),
+    ] {
+        let mut b = d.http.get(d.url("/v1/runs"));
+        if let Some(a) = auth {
+            b = b.header("authorization", a);
+        }
+        let res = b.send().await.unwrap();
+        assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "{auth:?}");
+        assert_eq!(res.headers()["www-authenticate"], "Bearer");
+        bodies.push(res.text().await.unwrap());
+    }
+    assert!(bodies.windows(2).all(|w| w[0] == w[1]));
+    let v: Value = serde_json::from_str(&bodies[0]).unwrap();
+    assert_eq!(v["error"]["code"], "unauthenticated");
+    let huge = format!("Bearer {}", "x".repeat(64 * 1024));
+    let res = d
+        .http
+        .get(d.url("/v1/runs"))
+        .header("authorization", huge)
+        .send()
+        .await
+        .unwrap();
+    assert!(res.status() == StatusCode::UNAUTHORIZED || res.status().as_u16() == 431);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operational_routes_need_no_token_and_leak_nothing() {
+    let d = TestDaemon::start().await;
+    let id = d.create(ALPHA, "quick").await;
+    d.wait_status(ALPHA, &id, "succeeded").await;
+    let (s, _, v) = d.send(Method::GET, "/healthz", None, None).await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ok")));
+    let (s, _, v) = d.send(Method::GET, "/readyz", None, None).await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ready")));
+    let (s, _, v) = d.send(Method::GET, "/openapi.json", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["openapi"], "3.1.0");
+    for r in agentd::api::ROUTES {
+        assert!(
+            v["paths"][r.path][r.method.to_lowercase()].is_object(),
+            "{} {}",
+            r.method,
+            r.path
+        );
+    }
+    let res = d.http.get(d.url("/metrics")).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(
+        res.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let text = res.text().await.unwrap();
+    assert!(text.contains("agentd_runs_entered_total"), "{text}");
+    assert!(
+        text.contains(
+            r#"agentd_http_requests_total{method="POST",route="/v1/runs",status="201"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(text.contains("agentd_ready 1"));
+    for secret in ["alpha", "beta", ALPHA, BETA] {
+        assert!(!text.contains(secret), "metrics mention {secret}");
+    }
+    // Request ids: generated, or echoed back.
+    let res = d
+        .http
+        .get(d.url("/healthz"))
+        .header("x-request-id", "req-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.headers()["x-request-id"], "req-42");
+    let res = d.http.get(d.url("/healthz")).send().await.unwrap();
+    assert!(!res.headers()["x-request-id"].is_empty());
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_active_runs_is_429_with_retry_after_per_tenant() {
+    let d = TestDaemon::start_with(|c| c.limits.max_active_runs_per_tenant = 1).await;
+    d.create(ALPHA, "hang").await;
+    let (s, h, b) = d
+        .send(
+            Method::POST,
+            "/v1/runs",
+            Some(ALPHA),
+            Some(json!({"agent": "hang", "input": "x"})),
+        )
+        .await;
+    assert_error(s, &b, StatusCode::TOO_MANY_REQUESTS, "too_many_active_runs");
+    assert!(h["retry-after"].to_str().unwrap().parse::<u64>().unwrap() > 0);
+    d.create(BETA, "hang").await;
+    d.stop().await;
+}
