@@ -21,6 +21,9 @@ use crate::api::{self, AppState, HttpMetrics, auth::Auth};
 use crate::config::{self, Config};
 use crate::runtime::{Runtime, StartError};
 use crate::tool::Tool;
+
+/// How often the store's epoch marker is compared with the one seen at start.
+const STORE_EPOCH_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 pub use parts::{BuildError, build_parts, open_store};
 
 /// What an embedding program adds to the configuration.
@@ -97,6 +100,26 @@ pub async fn run_with(
             .into_future(),
     );
     state.ready.store(true, Ordering::SeqCst);
+    // Watch the store's epoch marker, so a store that lost its data is noticed even when no
+    // one probes /readyz.
+    let watch = {
+        let handle = runtime.handle();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(STORE_EPOCH_CHECK);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = stop.cancelled() => return,
+                }
+                if let Err(crate::runtime::Error::StoreReset { .. }) =
+                    handle.check_store_epoch().await
+                {
+                    return;
+                }
+            }
+        })
+    };
     tracing::info!(%addr, store = %config.store.url.split(':').next().unwrap_or(""), agents = config.agents.len(), "agentd is serving");
 
     let early = tokio::select! {
@@ -108,6 +131,7 @@ pub async fn run_with(
     tracing::info!(timeout = ?bound, "shutting down");
     state.ready.store(false, Ordering::SeqCst);
     stop.cancel();
+    watch.abort();
     let served = match early {
         Some(r) => r,
         None => match tokio::time::timeout(bound / 2, &mut server).await {

@@ -67,6 +67,8 @@ pub struct Metrics {
     pub restarts: AtomicU64,
     pub crash_loops: AtomicU64,
     pub store_retries: AtomicU64,
+    /// Times the store's epoch marker was seen to change (data lost).
+    pub store_resets: AtomicU64,
     pub live_runs: AtomicU64,
     /// One model turn and its tool batch.
     pub step_latency: Histogram,

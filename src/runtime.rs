@@ -106,6 +106,10 @@ pub enum Error {
     ShuttingDown,
     #[error("the run did not reach the awaited state in time")]
     Timeout,
+    #[error(
+        "the store lost its data (its epoch changed from {was:?} to {now:?}); runs are not restarted from scratch"
+    )]
+    StoreReset { was: String, now: String },
 }
 
 impl Error {
@@ -122,6 +126,7 @@ impl Error {
             Error::Store(_) => "store_unavailable",
             Error::ShuttingDown => "shutting_down",
             Error::Timeout => "timeout",
+            Error::StoreReset { .. } => "store_reset",
         }
     }
 }
@@ -183,6 +188,11 @@ struct Inner {
     deps: Arc<RunDeps>,
     supervisor: ActorRef<SupervisorMsg>,
     config: RuntimeConfig,
+    /// The store's epoch marker when this runtime started; a different one later means the
+    /// store lost its data (e.g. Redis restarted empty).
+    store_epoch: String,
+    /// Set once a reset is seen; readiness fails from then on.
+    store_reset: std::sync::Mutex<Option<String>>,
 }
 
 /// A cheap-to-clone handle to a running runtime.
@@ -262,10 +272,13 @@ impl Runtime {
             },
         )
         .await?;
+        let store_epoch = deps.store.epoch().await?;
         let inner = Arc::new(Inner {
             deps,
             supervisor,
             config,
+            store_epoch,
+            store_reset: std::sync::Mutex::new(None),
         });
         let handle = RuntimeHandle { inner };
         handle.recover().await?;
@@ -707,9 +720,38 @@ impl RuntimeHandle {
         list
     }
 
-    /// Whether the store answers.
+    /// Whether the store answers and still holds the data this runtime started with.
     pub async fn ready(&self) -> Result<(), Error> {
-        Ok(self.inner.deps.store.ping().await?)
+        self.inner.deps.store.ping().await?;
+        self.check_store_epoch().await
+    }
+
+    /// Compares the store's epoch marker with the one seen at start. A change means the store
+    /// lost its data: runs it held are gone, and the ones still live here cannot commit (their
+    /// checkpoints are missing), so they stop instead of starting over. Readiness stays failed
+    /// until an operator restarts the daemon.
+    pub async fn check_store_epoch(&self) -> Result<(), Error> {
+        let inner = &self.inner;
+        let was = inner.store_epoch.clone();
+        if let Ok(guard) = inner.store_reset.lock()
+            && let Some(now) = guard.clone()
+        {
+            return Err(Error::StoreReset { was, now });
+        }
+        let now = inner.deps.store.epoch().await?;
+        if now != was {
+            tracing::error!(was = %was, now = %now, "the store's epoch marker changed: it lost its data");
+            inner
+                .deps
+                .metrics
+                .store_resets
+                .fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut guard) = inner.store_reset.lock() {
+                *guard = Some(now.clone());
+            }
+            return Err(Error::StoreReset { was, now });
+        }
+        Ok(())
     }
 
     /// Runs with a live (or restarting) actor.

@@ -154,6 +154,10 @@ impl From<runtime::Error> for ApiError {
                 "timeout",
                 "the run did not answer in time; its state is unchanged or the request is queued",
             ),
+            E::StoreReset { .. } => ApiError::unavailable(
+                "store_reset",
+                "the store lost its data since the daemon started; an operator must check it",
+            ),
         }
     }
 }

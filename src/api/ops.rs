@@ -34,8 +34,14 @@ pub async fn readyz(State(s): State<AppState>) -> Result<Json<HealthDto>, ApiErr
         ));
     }
     s.runtime.ready().await.map_err(|e| {
-        tracing::warn!(error = %e, "readiness check: store unreachable");
-        ApiError::unavailable("store_unavailable", "the store is unreachable")
+        tracing::warn!(error = %e, "readiness check failed");
+        match e {
+            crate::runtime::Error::StoreReset { .. } => ApiError::unavailable(
+                "store_reset",
+                "the store lost its data since the daemon started; restart the daemon after checking it",
+            ),
+            _ => ApiError::unavailable("store_unavailable", "the store is unreachable"),
+        }
     })?;
     Ok(Json(HealthDto {
         status: "ready".into(),
