@@ -78,7 +78,7 @@ pub enum Error {
 pub struct Agent {
     pub spec: AgentSpec,
     pub tools: AgentTools,
-    pub definitions: Vec<ToolDefinition>,
+    pub definitions: Arc<[ToolDefinition]>,
 }
 
 impl Agent {
@@ -100,7 +100,7 @@ impl Agent {
             });
         }
         let tools = AgentTools::new(registry.clone(), spec.tools.clone().into());
-        let definitions = tools.definitions();
+        let definitions = tools.definitions().into();
         Ok(Agent {
             spec,
             tools,

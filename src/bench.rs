@@ -31,6 +31,9 @@ pub struct BenchOptions {
     pub tool_workers: usize,
     /// Give up after this long.
     pub timeout: Duration,
+    /// Instead of running steps: park every run in `waiting_input` (one model turn asking the
+    /// user), measure the memory of N live, idle runs, then cancel them.
+    pub park: bool,
 }
 
 impl Default for BenchOptions {
@@ -42,6 +45,7 @@ impl Default for BenchOptions {
             model_workers: 256,
             tool_workers: 256,
             timeout: Duration::from_secs(600),
+            park: false,
         }
     }
 }
@@ -59,6 +63,8 @@ pub struct BenchReport {
     pub baseline_rss: u64,
     pub peak_rss: u64,
     pub transitions: u64,
+    /// With `park`: resident memory above the baseline while all runs were parked.
+    pub parked_rss: Option<u64>,
 }
 
 impl BenchReport {
@@ -102,7 +108,15 @@ impl std::fmt::Display for BenchReport {
             f,
             "memory per run     {:.1} KiB (peak above baseline / runs, messages included)",
             self.bytes_per_run() as f64 / 1024.0
-        )
+        )?;
+        if let Some(parked) = self.parked_rss {
+            write!(
+                f,
+                "\nparked run         {:.1} KiB per live idle run (waiting_input, 2 messages; store included)",
+                parked as f64 / 1024.0 / self.runs.max(1) as f64
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -134,6 +148,7 @@ fn cpu_time() -> Duration {
 /// Runs the benchmark on `store`.
 pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, String> {
     let steps = opts.steps;
+    let park = opts.park;
     let last_call: Arc<DashMap<RunId, Instant>> = Arc::new(DashMap::new());
     let latencies: Arc<std::sync::Mutex<Vec<u32>>> = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (lc, lat) = (last_call.clone(), latencies.clone());
@@ -145,6 +160,17 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             l.push(now.duration_since(prev).as_micros().min(u32::MAX as u128) as u32);
         }
         let turn = turn_of(req);
+        if park {
+            return Ok(ModelReply {
+                text: None,
+                tool_calls: vec![ModelToolCall {
+                    id: "ask".into(),
+                    name: "ask_user".into(),
+                    arguments: json!({"question": "go on?"}).to_string(),
+                }],
+                usage: Default::default(),
+            });
+        }
         Ok(if turn <= steps {
             ModelReply {
                 text: None,
@@ -233,6 +259,26 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             .sum::<u64>()
     };
     let deadline = Instant::now() + opts.timeout;
+    let mut parked_rss = None;
+    if park {
+        let waiting = Status::ALL
+            .iter()
+            .position(|x| *x == Status::WaitingInput)
+            .unwrap_or(0);
+        while metrics.runs_entered[waiting].load(Ordering::Relaxed) < opts.runs as u64 {
+            if Instant::now() > deadline {
+                return Err("timed out parking runs".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        parked_rss = Some((proc_status_kib("VmRSS:") * 1024).saturating_sub(baseline_rss));
+        for id in &ids {
+            handle
+                .cancel("bench", id, None)
+                .await
+                .map_err(|e| format!("cancel {id}: {e}"))?;
+        }
+    }
     while ended() < opts.runs as u64 {
         if Instant::now() > deadline {
             return Err(format!(
@@ -253,7 +299,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             .get_run("bench", id)
             .await
             .map_err(|e| e.to_string())?;
-        if run.status == Status::Succeeded {
+        if run.status == Status::Succeeded || (park && run.status == Status::Cancelled) {
             succeeded += 1;
         }
         steps_done += u64::from(run.usage.tool_calls);
@@ -278,6 +324,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         baseline_rss,
         peak_rss,
         transitions: metrics.transitions.load(Ordering::Relaxed),
+        parked_rss,
     };
     runtime.shutdown(Duration::from_secs(30)).await;
     Ok(report)

@@ -131,6 +131,9 @@ pub struct BenchArgs {
     /// Tool pool size.
     #[arg(long, default_value_t = 256)]
     pub tool_workers: usize,
+    /// Measure memory instead: park every run in waiting_input, sample RSS, cancel them.
+    #[arg(long)]
+    pub park: bool,
 }
 
 #[derive(Debug, Args)]

@@ -3,6 +3,11 @@
 
 use std::process::ExitCode;
 
+/// Runs allocate many small, short-lived objects (messages, events, JSON values); mimalloc
+/// spends markedly less CPU and memory on that pattern than the system allocator.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use agentd::cli::{self, Cli, Command, LogFormat, ServeArgs};
 use agentd::config::{Config, Secret};
 use clap::Parser as _;
@@ -74,6 +79,7 @@ async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {
         model_delay: args.model_delay,
         model_workers: args.model_workers,
         tool_workers: args.tool_workers,
+        park: args.park,
         ..Default::default()
     };
     eprintln!(

@@ -68,7 +68,8 @@ pub struct ModelRequest {
     /// The configured model name (key of `[models.*]`).
     pub model: String,
     pub messages: Vec<Message>,
-    pub tools: Vec<ToolDefinition>,
+    /// Shared by every request of the agent: schemas are not copied per call.
+    pub tools: std::sync::Arc<[ToolDefinition]>,
     pub tool_choice: ToolChoice,
 }
 

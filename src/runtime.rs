@@ -713,7 +713,7 @@ impl RuntimeHandle {
             .map(|a| AgentInfo {
                 name: a.spec.name.clone(),
                 model: a.spec.model.clone(),
-                tools: a.definitions.clone(),
+                tools: a.definitions.to_vec(),
             })
             .collect();
         list.sort_by(|a, b| a.name.cmp(&b.name));

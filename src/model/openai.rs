@@ -1026,7 +1026,8 @@ mod tests {
                 name: "t".into(),
                 description: "d".into(),
                 parameters: json!({"type":"object"}),
-            }],
+            }]
+            .into(),
             tool_choice: ToolChoice::None,
         };
         let body = p.request_body(&req, true);

@@ -302,7 +302,7 @@ mod tests {
             run_id: RunId::generate(),
             model: "m".into(),
             messages,
-            tools: vec![],
+            tools: Vec::new().into(),
             tool_choice: ToolChoice::Auto,
         }
     }

@@ -386,7 +386,7 @@ fn placeholder_agent(deps: &RunDeps) -> Agent {
     let _ = deps;
     Agent {
         tools: crate::tool::registry::AgentTools::new(registry, Arc::from(Vec::<String>::new())),
-        definitions: Vec::new(),
+        definitions: Vec::new().into(),
         spec,
     }
 }
@@ -636,7 +636,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 messages: live.agent.context(run),
                 tools: match tool_choice {
                     ToolChoice::Auto => live.agent.definitions.clone(),
-                    ToolChoice::None => Vec::new(),
+                    ToolChoice::None => Vec::new().into(),
                 },
                 tool_choice,
             };

@@ -40,8 +40,9 @@ fn request(tools: bool) -> ModelRequest {
                 description: "adds".into(),
                 parameters: json!({"type": "object", "properties": {"a": {"type": "number"}}}),
             }]
+            .into()
         } else {
-            vec![]
+            Vec::new().into()
         },
         tool_choice: ToolChoice::Auto,
     }
