@@ -33,3 +33,5 @@ mod sse;
 mod store_contract;
 /// Runtime harness: in-process runtime on the memory store.
 mod support;
+/// Docs and code stay in step: module docs, the codemap, a pure core, no stubs.
+mod tidy;
