@@ -71,8 +71,16 @@ fn default_toml_documents_every_key() {
     tool.polling = Some(true);
     tool.command = Some("x".into());
     tool.args = vec!["x".into()];
-    tool.tool = Some("x".into());
+    tool.risk = Some(crate::tool::RiskLevel::High);
+    tool.approval_timeout = Some(Duration::from_secs(1));
+    tool.on_approval_timeout = Some(crate::tool::ApprovalTimeoutAction::Reject);
+    tool.bearer_token = Some(Secret("x".into()));
+    tool.effects
+        .insert("x".into(), crate::tool::ToolEffect::Read);
+    tool.startup_timeout = Some(Duration::from_secs(1));
     c.tools.insert("all".into(), tool);
+    c.secrets.values = vec![Secret("env:X".into())];
+    c.secrets.patterns = vec!["x".into()];
     let mut agent = AgentConfig::new("all");
     agent.deadline = Some(Duration::from_secs(1));
     agent.output_schema = Some(serde_json::json!({}));
