@@ -147,3 +147,72 @@ impl Agent {
         messages
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::ids::RunId;
+    use crate::model::ModelToolCall;
+
+    #[test]
+    fn the_context_keeps_instructions_and_goal_and_condenses_old_turns() {
+        let spec = AgentSpec::new("a", "m")
+            .instructions("rules")
+            .context(ContextBudget {
+                max_tokens: 400,
+                max_tool_output_bytes: 64,
+            });
+        let agent = Agent::new(spec, &Arc::new(Registry::new())).unwrap();
+        let mut run = RunState::new(
+            RunId::generate(),
+            "t".into(),
+            "a".into(),
+            serde_json::json!("the goal"),
+            Budget::default(),
+            0,
+        );
+        run.messages.push(Message::User {
+            content: "the goal".into(),
+        });
+        for i in 0..30 {
+            run.messages.push(Message::Assistant {
+                content: None,
+                tool_calls: vec![ModelToolCall {
+                    id: format!("c{i}"),
+                    name: "echo".into(),
+                    arguments: "{}".into(),
+                }],
+            });
+            run.messages.push(Message::Tool {
+                call_id: format!("c{i}"),
+                content: "x".repeat(200),
+            });
+        }
+        let built = agent.context(&run);
+        assert_eq!(built, agent.context(&run), "deterministic");
+        assert!(built.len() < run.messages.len());
+        assert_eq!(
+            built[0],
+            Message::System {
+                content: "rules".into()
+            }
+        );
+        assert_eq!(
+            built[1],
+            Message::User {
+                content: "the goal".into()
+            }
+        );
+        assert!(matches!(&built[2], Message::User { content } if content.contains("condensed")));
+        // The newest call and its result are both there.
+        assert!(matches!(built.last(), Some(Message::Tool { call_id, .. }) if call_id == "c29"));
+        let no_rules = Agent::new(AgentSpec::new("b", "m"), &Arc::new(Registry::new())).unwrap();
+        assert!(
+            !no_rules
+                .context(&run)
+                .iter()
+                .any(|m| matches!(m, Message::System { .. }))
+        );
+    }
+}
