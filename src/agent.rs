@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::context::{ContextBudget, ContextInput, build_context};
 use crate::model::{Message, ToolDefinition};
 use crate::run::Budget;
 use crate::run::state::RunState;
@@ -23,6 +24,8 @@ pub struct AgentSpec {
     /// Wall-clock limit of a run, from its creation.
     pub deadline: Option<Duration>,
     pub verifiers: Vec<Verifier>,
+    /// Size of each model request (see `context`).
+    pub context: ContextBudget,
 }
 
 impl AgentSpec {
@@ -35,6 +38,7 @@ impl AgentSpec {
             budget: Budget::default(),
             deadline: None,
             verifiers: Vec::new(),
+            context: ContextBudget::default(),
         }
     }
 
@@ -55,6 +59,11 @@ impl AgentSpec {
 
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
+        self
+    }
+
+    pub fn context(mut self, budget: ContextBudget) -> Self {
+        self.context = budget;
         self
     }
 
@@ -108,16 +117,102 @@ impl Agent {
         })
     }
 
-    /// The messages of the next model request: the instructions as the only system message,
-    /// then the conversation. Tool output never enters the system message.
+    /// The messages of the next model request, built by `context::build_context` within the
+    /// agent's budget: the instructions as the only system message (omitted when empty), the
+    /// goal (never dropped), then as much recent history as fits, older turns condensed into a
+    /// note; tool call/result pairs are never split. Tool output never enters the system
+    /// message. Deterministic: the same run gives the same messages.
     pub fn context(&self, run: &RunState) -> Vec<Message> {
-        let mut messages = Vec::with_capacity(run.messages.len() + 1);
-        if !self.spec.instructions.is_empty() {
-            messages.push(Message::System {
-                content: self.spec.instructions.clone(),
+        let (goal, history): (String, &[Message]) = match run.messages.split_first() {
+            Some((Message::User { content }, rest)) => (content.clone(), rest),
+            _ => (
+                match &run.input {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                },
+                &run.messages[..],
+            ),
+        };
+        let input = ContextInput {
+            instructions: &self.spec.instructions,
+            goal: &goal,
+            obligations: &[],
+            history,
+            seqs: None,
+        };
+        let mut messages = build_context(&input, &self.spec.context);
+        if self.spec.instructions.is_empty() {
+            messages.retain(|m| !matches!(m, Message::System { .. }));
+        }
+        messages
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::ids::RunId;
+    use crate::model::ModelToolCall;
+
+    #[test]
+    fn the_context_keeps_instructions_and_goal_and_condenses_old_turns() {
+        let spec = AgentSpec::new("a", "m")
+            .instructions("rules")
+            .context(ContextBudget {
+                max_tokens: 400,
+                max_tool_output_bytes: 64,
+            });
+        let agent = Agent::new(spec, &Arc::new(Registry::new())).unwrap();
+        let mut run = RunState::new(
+            RunId::generate(),
+            "t".into(),
+            "a".into(),
+            serde_json::json!("the goal"),
+            Budget::default(),
+            0,
+        );
+        run.messages.push(Message::User {
+            content: "the goal".into(),
+        });
+        for i in 0..30 {
+            run.messages.push(Message::Assistant {
+                content: None,
+                tool_calls: vec![ModelToolCall {
+                    id: format!("c{i}"),
+                    name: "echo".into(),
+                    arguments: "{}".into(),
+                }],
+            });
+            run.messages.push(Message::Tool {
+                call_id: format!("c{i}"),
+                content: "x".repeat(200),
             });
         }
-        messages.extend(run.messages.iter().cloned());
-        messages
+        let built = agent.context(&run);
+        assert_eq!(built, agent.context(&run), "deterministic");
+        assert!(built.len() < run.messages.len());
+        assert_eq!(
+            built[0],
+            Message::System {
+                content: "rules".into()
+            }
+        );
+        assert_eq!(
+            built[1],
+            Message::User {
+                content: "the goal".into()
+            }
+        );
+        assert!(matches!(&built[2], Message::User { content } if content.contains("condensed")));
+        // The newest call and its result are both there.
+        assert!(matches!(built.last(), Some(Message::Tool { call_id, .. }) if call_id == "c29"));
+        let no_rules = Agent::new(AgentSpec::new("b", "m"), &Arc::new(Registry::new())).unwrap();
+        assert!(
+            !no_rules
+                .context(&run)
+                .iter()
+                .any(|m| matches!(m, Message::System { .. }))
+        );
     }
 }

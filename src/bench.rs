@@ -223,6 +223,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             models,
             agents: vec![agent],
             faults: None,
+            redactor: None,
         },
     )
     .await

@@ -58,6 +58,20 @@ pub struct Config {
     pub agents: BTreeMap<String, AgentConfig>,
     pub runtime: RuntimeSection,
     pub limits: LimitsConfig,
+    pub secrets: SecretsConfig,
+}
+
+/// `[secrets]`: extra values and patterns the redactor removes from events, API output, logs
+/// and tool results (besides the model API keys, tenant tokens and tool tokens, which it always
+/// knows).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecretsConfig {
+    /// Secret values (literal or `env:NAME`); each is replaced by `[redacted]` wherever it
+    /// appears.
+    pub values: Vec<Secret>,
+    /// Regular expressions whose matches are redacted inside any string.
+    pub patterns: Vec<String>,
 }
 
 /// `[server]`.
@@ -255,9 +269,25 @@ pub struct ToolConfig {
     /// "read" | "idempotent" | "unsafe".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effect: Option<crate::tool::ToolEffect>,
-    /// "never" | "always".
+    /// "never" | "always" | { by_risk = … } | { when_argument = … } | { any_of = […] }.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<crate::tool::ApprovalRule>,
+    /// "low" | "medium" | "high" | "critical"; `approval = { by_risk = … }` keys on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub risk: Option<crate::tool::RiskLevel>,
+    /// How long a call waits for an operator before `on_approval_timeout` decides it.
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub approval_timeout: Option<Duration>,
+    /// "reject" | "approve".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_approval_timeout: Option<crate::tool::ApprovalTimeoutAction>,
+    /// http, mcp (url): sent as `Authorization: Bearer …`; literal or `env:NAME`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bearer_token: Option<Secret>,
     #[serde(
         default,
         with = "crate::config_duration::option",
@@ -278,9 +308,16 @@ pub struct ToolConfig {
     pub command: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub args: Vec<String>,
-    /// mcp: the tool's name on the server (default: the config key).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tool: Option<String>,
+    /// mcp: per-tool effect overrides, keyed by the tool's name on the server.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub effects: BTreeMap<String, crate::tool::ToolEffect>,
+    /// mcp: bound on starting the server and listing its tools.
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub startup_timeout: Option<Duration>,
     /// builtin: which built-in tool ("echo", "add", "counting").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub builtin: Option<String>,
@@ -297,13 +334,18 @@ impl ToolConfig {
             parameters: None,
             effect: None,
             approval: None,
+            risk: None,
+            approval_timeout: None,
+            on_approval_timeout: None,
+            bearer_token: None,
             timeout: None,
             max_output_bytes: None,
             requests_per_second: None,
             polling: None,
             command: None,
             args: Vec::new(),
-            tool: None,
+            effects: BTreeMap::new(),
+            startup_timeout: None,
             builtin: Some(which.into()),
         }
     }
@@ -333,6 +375,20 @@ pub struct AgentConfig {
     /// JSON Schema the final answer must match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<Value>,
+    /// Target size of each model request, in estimated tokens (the context builder condenses
+    /// older turns to fit).
+    #[serde(default = "default_context_tokens")]
+    pub context_tokens: usize,
+    /// A tool output longer than this is cut in the request (in full in the event log).
+    #[serde(default = "default_context_tool_output_bytes")]
+    pub context_tool_output_bytes: usize,
+}
+
+fn default_context_tokens() -> usize {
+    crate::context::ContextBudget::default().max_tokens
+}
+fn default_context_tool_output_bytes() -> usize {
+    crate::context::ContextBudget::default().max_tool_output_bytes
 }
 
 fn default_max_turns() -> u32 {
@@ -356,6 +412,8 @@ impl AgentConfig {
             max_tokens: default_max_tokens(),
             deadline: None,
             output_schema: None,
+            context_tokens: default_context_tokens(),
+            context_tool_output_bytes: default_context_tool_output_bytes(),
         }
     }
 }
@@ -368,6 +426,9 @@ pub struct RuntimeSection {
     pub node_id: String,
     pub model_workers: usize,
     pub model_queue: usize,
+    /// Model calls of one tenant in the workers at once (0 = no cap; tenants are always
+    /// served round-robin).
+    pub model_max_in_flight_per_tenant: usize,
     /// Per model attempt.
     #[serde(with = "crate::config_duration")]
     pub model_timeout: Duration,
@@ -405,6 +466,7 @@ impl Default for RuntimeSection {
             node_id: r.node_id,
             model_workers: r.gateway.size.workers,
             model_queue: r.gateway.size.queue,
+            model_max_in_flight_per_tenant: r.gateway.tenant_max_in_flight,
             model_timeout: r.gateway.timeout,
             model_max_attempts: r.gateway.max_attempts,
             model_retry_base: r.gateway.retry_base,
@@ -826,6 +888,29 @@ impl Config {
                             "kind \"mcp\" needs exactly one of `command` or `url`",
                         ));
                     }
+                    if name.contains(crate::tool::mcp::NAME_SEPARATOR) {
+                        return Err(invalid(key, "an MCP server name must not contain \"__\""));
+                    }
+                    for (k, set) in [
+                        ("description", t.description.is_some()),
+                        ("parameters", t.parameters.is_some()),
+                        ("status_url", t.status_url.is_some()),
+                        ("polling", t.polling.is_some()),
+                        ("requests_per_second", t.requests_per_second.is_some()),
+                    ] {
+                        if set {
+                            return Err(invalid(
+                                format!("{key}.{k}"),
+                                "does not apply to kind \"mcp\" (each tool comes from the server)",
+                            ));
+                        }
+                    }
+                    if t.bearer_token.is_some() && t.url.is_none() {
+                        return Err(invalid(
+                            format!("{key}.bearer_token"),
+                            "applies only to an MCP server with `url`",
+                        ));
+                    }
                 }
                 ToolKind::Builtin => match t.builtin.as_deref() {
                     Some(b) if BUILTINS.contains(&b) => {}
@@ -852,6 +937,28 @@ impl Config {
             if t.timeout.is_some_and(|d| d.is_zero()) {
                 return Err(invalid(format!("{key}.timeout"), "must be more than 0s"));
             }
+            if let Some(a) = &t.approval {
+                a.validate()
+                    .map_err(|e| invalid(format!("{key}.approval"), e))?;
+            }
+            if t.kind != ToolKind::Mcp && !t.effects.is_empty() {
+                return Err(invalid(
+                    format!("{key}.effects"),
+                    "applies only to kind \"mcp\"",
+                ));
+            }
+            if t.kind == ToolKind::Builtin && t.bearer_token.is_some() {
+                return Err(invalid(
+                    format!("{key}.bearer_token"),
+                    "does not apply to kind \"builtin\"",
+                ));
+            }
+            if t.approval_timeout.is_some_and(|d| d.is_zero()) {
+                return Err(invalid(
+                    format!("{key}.approval_timeout"),
+                    "must be more than 0s",
+                ));
+            }
         }
         for (name, a) in &self.agents {
             let key = format!("agents.{name}");
@@ -868,7 +975,15 @@ impl Config {
                 ));
             }
             for t in &a.tools {
-                if !self.tools.contains_key(t) && !extra_tools.contains(t) {
+                // `server__tool` names one tool of an MCP server (checked after discovery).
+                let mcp_tool =
+                    t.split_once(crate::tool::mcp::NAME_SEPARATOR)
+                        .is_some_and(|(server, _)| {
+                            self.tools
+                                .get(server)
+                                .is_some_and(|s| s.kind == ToolKind::Mcp)
+                        });
+                if !mcp_tool && !self.tools.contains_key(t) && !extra_tools.contains(t) {
                     return Err(invalid(
                         format!("{key}.tools"),
                         format!("tool {t:?} is not defined in [tools]"),
@@ -877,6 +992,12 @@ impl Config {
             }
             if a.max_turns == 0 {
                 return Err(invalid(format!("{key}.max_turns"), "must be at least 1"));
+            }
+            if a.context_tokens == 0 {
+                return Err(invalid(
+                    format!("{key}.context_tokens"),
+                    "must be at least 1",
+                ));
             }
             if let Some(s) = &a.output_schema {
                 crate::run::verify::Verifier::json_schema(s)
@@ -913,6 +1034,10 @@ impl Config {
         if l.request_timeout.is_zero() {
             return Err(invalid("limits.request_timeout", "must be more than 0s"));
         }
+        for (i, p) in self.secrets.patterns.iter().enumerate() {
+            regex::Regex::new(p)
+                .map_err(|e| invalid(format!("secrets.patterns[{i}]"), e.to_string()))?;
+        }
         Ok(())
     }
 
@@ -930,6 +1055,10 @@ impl Config {
         for m in c.models.values_mut() {
             m.api_key = m.api_key.as_ref().map(Secret::redacted);
         }
+        for t in c.tools.values_mut() {
+            t.bearer_token = t.bearer_token.as_ref().map(Secret::redacted);
+        }
+        c.secrets.values = c.secrets.values.iter().map(Secret::redacted).collect();
         c
     }
 
@@ -957,6 +1086,7 @@ impl Config {
         let per_tool_rps = self
             .tools
             .iter()
+            .filter(|(_, t)| t.kind != ToolKind::Mcp)
             .filter_map(|(n, t)| t.requests_per_second.map(|r| (n.clone(), r)))
             .collect();
         RuntimeConfig {
@@ -970,6 +1100,7 @@ impl Config {
                 max_attempts: r.model_max_attempts,
                 retry_base: r.model_retry_base,
                 retry_max: r.model_retry_max,
+                tenant_max_in_flight: r.model_max_in_flight_per_tenant,
             },
             tool_pool: PoolSize {
                 workers: r.tool_workers,

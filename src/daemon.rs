@@ -24,7 +24,7 @@ use crate::tool::Tool;
 
 /// How often the store's epoch marker is compared with the one seen at start.
 const STORE_EPOCH_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
-pub use parts::{BuildError, build_parts, open_store};
+pub use parts::{BuildError, Built, build_parts, build_redactor, open_store};
 
 /// What an embedding program adds to the configuration.
 #[derive(Default)]
@@ -80,8 +80,20 @@ pub async fn run_with(
     let auth = Auth::new(tokens.iter().map(|(t, k)| (t.as_str(), k.as_str())));
     drop(tokens);
     let store = open_store(&config.store.url).await?;
-    let parts = build_parts(&config, store, embedded.tools)?;
-    let runtime = Runtime::start(config.runtime_config(), parts).await?;
+    let built = build_parts(&config, store, embedded.tools).await?;
+    // Log lines written through `redact::RedactingWriter` are scrubbed of every configured
+    // secret from here on.
+    crate::redact::install_log_redactor(built.redactor.clone());
+    let mcp_servers = built.mcp_servers;
+    let runtime = match Runtime::start(config.runtime_config(), built.parts).await {
+        Ok(r) => r,
+        Err(e) => {
+            for s in &mcp_servers {
+                s.shutdown().await;
+            }
+            return Err(e.into());
+        }
+    };
     let state = AppState {
         runtime: runtime.handle(),
         auth: Arc::new(auth),
@@ -149,6 +161,9 @@ pub async fn run_with(
         .is_err()
     {
         tracing::warn!("runs did not stop in time; exiting anyway (they resume from checkpoints)");
+    }
+    for s in &mcp_servers {
+        s.shutdown().await;
     }
     tracing::info!(took = ?started.elapsed(), "agentd stopped");
     match served {

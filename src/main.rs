@@ -10,18 +10,26 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use agentd::cli::{self, Cli, Command, LogFormat, ServeArgs};
 use agentd::config::{Config, Secret};
+use agentd::redact::RedactingWriter;
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 
 fn init_tracing(format: LogFormat, serve: bool) {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(if serve { "info" } else { "warn" }));
+    // Every line passes the configured redactor (installed by the daemon at start).
+    let stdout = || RedactingWriter::new(std::io::stdout());
+    let stderr = || RedactingWriter::new(std::io::stderr());
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     let _ = match (format, serve) {
-        (LogFormat::Json, true) => builder.json().with_current_span(true).try_init(),
-        (LogFormat::Json, false) => builder.json().with_writer(std::io::stderr).try_init(),
-        (LogFormat::Text, true) => builder.try_init(),
-        (LogFormat::Text, false) => builder.with_writer(std::io::stderr).try_init(),
+        (LogFormat::Json, true) => builder
+            .json()
+            .with_current_span(true)
+            .with_writer(stdout)
+            .try_init(),
+        (LogFormat::Json, false) => builder.json().with_writer(stderr).try_init(),
+        (LogFormat::Text, true) => builder.with_writer(stdout).try_init(),
+        (LogFormat::Text, false) => builder.with_writer(stderr).try_init(),
     };
 }
 

@@ -65,6 +65,9 @@ pub enum ToolChoice {
 #[derive(Debug, Clone)]
 pub struct ModelRequest {
     pub run_id: RunId,
+    /// The run's tenant: the gateway queues requests per tenant so that one tenant's burst
+    /// cannot starve another.
+    pub tenant: String,
     /// The configured model name (key of `[models.*]`).
     pub model: String,
     pub messages: Vec<Message>,

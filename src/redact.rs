@@ -86,6 +86,22 @@ impl Redactor {
         }
     }
 
+    /// A redactor that changes nothing (no secrets, no patterns): the runtime's default when
+    /// the embedding program configures none.
+    pub fn none() -> Self {
+        Redactor {
+            secrets: Vec::new(),
+            key_patterns: Vec::new(),
+            keys: RegexSet::empty(),
+            values: Vec::new(),
+        }
+    }
+
+    /// Whether this redactor can change anything.
+    pub fn is_noop(&self) -> bool {
+        self.secrets.is_empty() && self.keys.is_empty() && self.values.is_empty()
+    }
+
     /// A redactor that only knows these secret values (plus the default patterns).
     pub fn with_secrets<I, S>(secrets: I) -> Self
     where
@@ -138,6 +154,9 @@ impl Redactor {
 
     /// The text with every secret and credential-looking span replaced by `[redacted]`.
     pub fn redact_str<'a>(&self, text: &'a str) -> Cow<'a, str> {
+        if self.is_noop() {
+            return Cow::Borrowed(text);
+        }
         let mut out = Cow::Borrowed(text);
         for secret in &self.secrets {
             if out.contains(secret.as_str()) {
@@ -161,6 +180,9 @@ impl Redactor {
 
     /// Redacts a JSON value in place: strings, object keys, and values under sensitive keys.
     pub fn redact_value_in_place(&self, value: &mut Value) {
+        if self.is_noop() {
+            return;
+        }
         match value {
             Value::String(s) => {
                 if let Cow::Owned(r) = self.redact_str(s) {
@@ -190,6 +212,74 @@ impl Redactor {
     }
 }
 
+// ---- log redaction ----
+
+static LOG_REDACTOR: std::sync::RwLock<Option<std::sync::Arc<Redactor>>> =
+    std::sync::RwLock::new(None);
+
+/// Sets the redactor applied to every log line written through [`RedactingWriter`]. The daemon
+/// installs its configured redactor at start; until then the default patterns apply.
+pub fn install_log_redactor(redactor: std::sync::Arc<Redactor>) {
+    if let Ok(mut slot) = LOG_REDACTOR.write() {
+        *slot = Some(redactor);
+    }
+}
+
+/// Redacts one formatted log line with the installed redactor (default patterns before one is
+/// installed).
+pub fn redact_log_line(line: &str) -> String {
+    static DEFAULT: std::sync::OnceLock<Redactor> = std::sync::OnceLock::new();
+    let installed = LOG_REDACTOR.read().ok().and_then(|g| g.clone());
+    match installed {
+        Some(r) => r.redact_str(line).into_owned(),
+        None => DEFAULT
+            .get_or_init(Redactor::new)
+            .redact_str(line)
+            .into_owned(),
+    }
+}
+
+/// A `tracing_subscriber` writer that buffers one formatted event and writes it redacted to
+/// the inner writer when dropped: no log line leaves the process with a configured secret in
+/// it, whatever a log call passed as a field.
+pub struct RedactingWriter<W: std::io::Write> {
+    inner: W,
+    buffer: Vec<u8>,
+}
+
+impl<W: std::io::Write> RedactingWriter<W> {
+    pub fn new(inner: W) -> Self {
+        RedactingWriter {
+            inner,
+            buffer: Vec::new(),
+        }
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for RedactingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.buffer.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buffer.is_empty() {
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&self.buffer);
+        let line = redact_log_line(&text);
+        self.buffer.clear();
+        self.inner.write_all(line.as_bytes())?;
+        self.inner.flush()
+    }
+}
+
+impl<W: std::io::Write> Drop for RedactingWriter<W> {
+    fn drop(&mut self) {
+        let _ = std::io::Write::flush(self);
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -197,6 +287,24 @@ mod tests {
     use serde_json::json;
 
     const KEY: &str = "hunter2-planted-value-9f3a";
+
+    #[test]
+    fn the_log_writer_redacts_whole_lines_and_the_none_redactor_changes_nothing() {
+        use std::io::Write as _;
+        let mut out = Vec::new();
+        {
+            let mut w = RedactingWriter::new(&mut out);
+            w.write_all(b"{\"msg\":\"auth Bearer abcdefgh12345678\"}\n")
+                .unwrap();
+        }
+        let line = String::from_utf8(out).unwrap();
+        assert!(!line.contains("abcdefgh12345678"), "{line}");
+        assert!(line.contains(REDACTED));
+        let none = Redactor::none();
+        assert!(none.is_noop());
+        let v = json!({"api_key": "sk-0123456789abcdef0123", "t": KEY});
+        assert_eq!(none.redact_value(&v), v);
+    }
 
     #[test]
     fn planted_secret_in_nested_json_is_redacted() {

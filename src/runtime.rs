@@ -25,6 +25,7 @@ use crate::metrics::Metrics;
 use crate::model::gateway::{GatewayConfig, ModelGateway, ModelLimits};
 use crate::model::{Message, ModelProvider, ToolDefinition};
 use crate::pool::PoolSize;
+use crate::redact::Redactor;
 use crate::run::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
 use crate::run::machine::InvalidTransition;
 use crate::run::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
@@ -81,6 +82,9 @@ pub struct RuntimeParts {
     pub models: HashMap<String, Arc<dyn ModelProvider>>,
     pub agents: Vec<AgentSpec>,
     pub faults: Option<Arc<dyn FaultInjector>>,
+    /// Scrubs secrets from every event before it is committed and from tool results before
+    /// they enter the run (`None`: nothing is redacted).
+    pub redactor: Option<Arc<Redactor>>,
 }
 
 /// Runtime failures, each with a stable code.
@@ -262,6 +266,7 @@ impl Runtime {
             faults: parts.faults,
             metrics,
             active: DashMap::new(),
+            redactor: parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none())),
         });
         let (supervisor, sup_join) = Actor::spawn(
             None,
@@ -378,13 +383,15 @@ impl RuntimeHandle {
             content: input_text,
         });
         let checkpoint = checkpoint_of(&run).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut data = serde_json::json!({
+            "agent": run.agent, "input": run.input, "budget": run.budget, "status": "created", "phase": null,
+        });
+        inner.deps.redactor.redact_value_in_place(&mut data);
         let created = EventRecord {
             seq: 1,
             at_ms: now,
             kind: "run_created".into(),
-            data: serde_json::json!({
-                "agent": run.agent, "input": run.input, "budget": run.budget, "status": "created", "phase": null,
-            }),
+            data,
         };
         if let Some(limit) = limit {
             let n = self.count_active(&req.tenant, 1);
@@ -771,6 +778,11 @@ impl RuntimeHandle {
         &self.inner.deps.metrics
     }
 
+    /// The redactor applied to events; the API applies it to what it shows of a run.
+    pub fn redactor(&self) -> &Arc<Redactor> {
+        &self.inner.deps.redactor
+    }
+
     /// Prometheus text of the runtime and its pools.
     pub fn render_metrics(&self) -> String {
         use std::fmt::Write as _;
@@ -792,10 +804,12 @@ impl RuntimeHandle {
         let g = deps.gateway.stats();
         let _ = writeln!(
             out,
-            "agentd_model_attempts_total {}\nagentd_model_retries_total {}\nagentd_model_rate_limit_wait_seconds_total {}",
+            "agentd_model_requests_total {}\nagentd_model_attempts_total {}\nagentd_model_retries_total {}\nagentd_model_rate_limit_wait_seconds_total {}\nagentd_model_tenant_queued {}",
+            g.requests.load(Ordering::Relaxed),
             g.attempts.load(Ordering::Relaxed),
             g.retries.load(Ordering::Relaxed),
-            g.rate_limit_wait_us.load(Ordering::Relaxed) as f64 / 1e6
+            g.rate_limit_wait_us.load(Ordering::Relaxed) as f64 / 1e6,
+            g.queued.load(Ordering::Relaxed)
         );
         out
     }

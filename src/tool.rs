@@ -79,6 +79,17 @@ pub enum ApprovalRule {
     AnyOf(Vec<ApprovalRule>),
 }
 
+/// What happens to a call nobody approved or rejected within the tool's `approval_timeout`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalTimeoutAction {
+    /// Answer the model as if an operator rejected the call (the default: fail closed).
+    #[default]
+    Reject,
+    /// Run the call as if an operator approved it unchanged.
+    Approve,
+}
+
 /// A tool's declared contract. The runtime enforces it whatever the model says.
 #[derive(Debug, Clone)]
 pub struct ToolSpec {
@@ -91,6 +102,10 @@ pub struct ToolSpec {
     /// Declared harm potential (default `medium`); `ApprovalRule::ByRisk` keys on it.
     pub risk: RiskLevel,
     pub approval: ApprovalRule,
+    /// How long a call of this tool waits for an operator's decision; `None` = forever.
+    pub approval_timeout: Option<Duration>,
+    /// The decision taken when `approval_timeout` passes.
+    pub on_approval_timeout: ApprovalTimeoutAction,
     pub timeout: Duration,
     /// Serialized output larger than this is cut and marked `truncated`.
     pub max_output_bytes: usize,
@@ -112,6 +127,8 @@ impl ToolSpec {
             effect: ToolEffect::Unsafe,
             risk: RiskLevel::Medium,
             approval: ApprovalRule::Never,
+            approval_timeout: None,
+            on_approval_timeout: ApprovalTimeoutAction::Reject,
             timeout: Duration::from_secs(30),
             max_output_bytes: 64 * 1024,
             polling: false,
@@ -131,6 +148,13 @@ impl ToolSpec {
 
     pub fn approval(mut self, approval: ApprovalRule) -> Self {
         self.approval = approval;
+        self
+    }
+
+    /// Decide a pending approval with `action` after `after`.
+    pub fn approval_timeout(mut self, after: Duration, action: ApprovalTimeoutAction) -> Self {
+        self.approval_timeout = Some(after);
+        self.on_approval_timeout = action;
         self
     }
 
@@ -268,6 +292,18 @@ impl ToolResult {
             }
         }
         self
+    }
+
+    /// Removes secrets from the data and the error message (see `redact`).
+    pub fn redact(&mut self, redactor: &crate::redact::Redactor) {
+        if let Some(d) = &mut self.data {
+            redactor.redact_value_in_place(d);
+        }
+        if let Some(e) = &mut self.error
+            && let std::borrow::Cow::Owned(m) = redactor.redact_str(&e.message)
+        {
+            e.message = m;
+        }
     }
 
     /// The text of the tool message the model receives.

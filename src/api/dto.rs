@@ -190,6 +190,30 @@ impl From<&RunState> for RunDto {
     }
 }
 
+impl RunDto {
+    /// The run as the API shows it, scrubbed of secrets: output, error message, pending
+    /// approval arguments and the model's question.
+    pub fn redacted(run: &RunState, redactor: &crate::redact::Redactor) -> Self {
+        let mut dto = RunDto::from(run);
+        if redactor.is_noop() {
+            return dto;
+        }
+        if let Some(o) = &mut dto.output {
+            redactor.redact_value_in_place(o);
+        }
+        if let Some(e) = &mut dto.error {
+            e.message = redactor.redact_str(&e.message).into_owned();
+        }
+        for p in &mut dto.pending_approvals {
+            redactor.redact_value_in_place(&mut p.arguments);
+        }
+        if let Some(q) = &mut dto.awaiting_input {
+            *q = redactor.redact_str(q).into_owned();
+        }
+        dto
+    }
+}
+
 /// One page of `GET /v1/runs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunListDto {

@@ -37,8 +37,8 @@ const RUNS_PAGE: usize = 20;
 /// Client reconnect delay announced on SSE streams.
 const SSE_RETRY: Duration = Duration::from_secs(2);
 
-fn run_json(run: &crate::run::RunState) -> Json<RunDto> {
-    Json(RunDto::from(run))
+fn run_json(s: &AppState, run: &crate::run::RunState) -> Json<RunDto> {
+    Json(RunDto::redacted(run, s.runtime.redactor()))
 }
 
 fn check_reason(reason: &Option<String>) -> Result<(), ApiError> {
@@ -157,7 +157,7 @@ pub async fn create(
     } else {
         StatusCode::OK
     };
-    let mut res = (status, run_json(&run)).into_response();
+    let mut res = (status, run_json(&s, &run)).into_response();
     if let Ok(v) = HeaderValue::from_str(&format!("/v1/runs/{}", run.id)) {
         res.headers_mut().insert(header::LOCATION, v);
     }
@@ -170,7 +170,8 @@ pub async fn get_run(
     Extension(Tenant(tenant)): Extension<Tenant>,
     RunPath(id): RunPath,
 ) -> Result<Json<RunDto>, ApiError> {
-    Ok(run_json(&s.runtime.get_run(&tenant, &id).await?))
+    let run = s.runtime.get_run(&tenant, &id).await?;
+    Ok(run_json(&s, &run))
 }
 
 /// `GET /v1/runs?status=&agent=&limit=&cursor=`: newest first.
@@ -208,7 +209,10 @@ pub async fn list(
         .list_runs(&tenant, &filter, q.cursor.as_deref(), limit)
         .await?;
     Ok(Json(RunListDto {
-        runs: runs.iter().map(RunDto::from).collect(),
+        runs: runs
+            .iter()
+            .map(|r| RunDto::redacted(r, s.runtime.redactor()))
+            .collect(),
         next_cursor,
     }))
 }
@@ -304,7 +308,7 @@ pub async fn cancel(
     check_reason(&req.reason)?;
     let run = s.runtime.cancel(&tenant, &id, req.reason).await?;
     tracing::info!(run_id = %id, status = %run.status, "cancel requested");
-    Ok(run_json(&run))
+    Ok(run_json(&s, &run))
 }
 
 /// `POST /v1/runs/{id}/approvals/{call_id}`: approve (optionally with edited arguments) or
@@ -325,9 +329,15 @@ pub async fn decide(
     let run = s
         .runtime
         .decide(&tenant, &id, &call_id, approve, req.arguments, req.reason)
-        .await?;
+        .await
+        .map_err(|e| {
+            // A schema violation of edited arguments may quote them: scrub the message.
+            let mut api = ApiError::from(e);
+            api.message = s.runtime.redactor().redact_str(&api.message).into_owned();
+            api
+        })?;
     tracing::info!(run_id = %id, call_id = %call_id, approve, "decision recorded");
-    Ok(run_json(&run))
+    Ok(run_json(&s, &run))
 }
 
 /// `POST /v1/runs/{id}/input`: answers `waiting_input`, or queues for a running run.
@@ -353,5 +363,5 @@ pub async fn input(
     }
     let run = s.runtime.input(&tenant, &id, req.text).await?;
     tracing::info!(run_id = %id, status = %run.status, "input delivered");
-    Ok(run_json(&run))
+    Ok(run_json(&s, &run))
 }

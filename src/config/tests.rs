@@ -71,8 +71,16 @@ fn default_toml_documents_every_key() {
     tool.polling = Some(true);
     tool.command = Some("x".into());
     tool.args = vec!["x".into()];
-    tool.tool = Some("x".into());
+    tool.risk = Some(crate::tool::RiskLevel::High);
+    tool.approval_timeout = Some(Duration::from_secs(1));
+    tool.on_approval_timeout = Some(crate::tool::ApprovalTimeoutAction::Reject);
+    tool.bearer_token = Some(Secret("x".into()));
+    tool.effects
+        .insert("x".into(), crate::tool::ToolEffect::Read);
+    tool.startup_timeout = Some(Duration::from_secs(1));
     c.tools.insert("all".into(), tool);
+    c.secrets.values = vec![Secret("env:X".into())];
+    c.secrets.patterns = vec!["x".into()];
     let mut agent = AgentConfig::new("all");
     agent.deadline = Some(Duration::from_secs(1));
     agent.output_schema = Some(serde_json::json!({}));
@@ -257,4 +265,76 @@ fn the_compose_config_validates() {
     let c = Config::from_toml(&text).unwrap();
     c.validate().unwrap();
     assert!(c.store.url.starts_with("redis://"));
+}
+
+#[test]
+fn mcp_servers_approval_rules_and_secrets_are_checked() {
+    let with = |extra: &str| Config::from_toml(&format!("{MINIMAL}\n{extra}")).unwrap();
+    let server = "[tools.everything]\nkind = \"mcp\"\ncommand = \"mcp-server-everything\"\nargs = [\"stdio\"]\n";
+    // An agent names one tool of a server as `server__tool`, or the whole server.
+    let mut c = with(server);
+    c.agents.get_mut("triage").unwrap().tools =
+        vec!["everything__get-sum".into(), "everything".into()];
+    c.validate().unwrap();
+    let mut c = with(server);
+    c.agents.get_mut("triage").unwrap().tools = vec!["restart_service__get-sum".into()];
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("agents.triage.tools:")
+    );
+    let err = with(&format!("{server}parameters = {{ type = \"object\" }}\n"))
+        .validate()
+        .unwrap_err();
+    assert!(
+        err.to_string().starts_with("tools.everything.parameters:"),
+        "{err}"
+    );
+    let err = with(&format!("{server}bearer_token = \"a-long-token-value\"\n"))
+        .validate()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("tools.everything.bearer_token:"),
+        "{err}"
+    );
+    // Approval rules compile at load time; the expiry keys parse.
+    let mut c = with("");
+    let t = c.tools.get_mut("restart_service").unwrap();
+    t.approval = Some(crate::tool::ApprovalRule::WhenArgument {
+        pointer: "/env".into(),
+        equals: None,
+        one_of: None,
+        matches: Some("(".into()),
+    });
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("tools.restart_service.approval:")
+    );
+    let c = Config::from_toml(&MINIMAL.replace(
+        "approval = \"always\"",
+        "approval = { when_argument = { pointer = \"/service\", equals = \"db\" } }\napproval_timeout = \"10m\"\non_approval_timeout = \"approve\"",
+    ))
+    .unwrap();
+    c.validate().unwrap();
+    let t = &c.tools["restart_service"];
+    assert_eq!(t.approval_timeout, Some(Duration::from_secs(600)));
+    assert_eq!(
+        t.on_approval_timeout,
+        Some(crate::tool::ApprovalTimeoutAction::Approve)
+    );
+    let err = with("[secrets]\npatterns = [\"(\"]\n")
+        .validate()
+        .unwrap_err();
+    assert!(err.to_string().starts_with("secrets.patterns[0]:"), "{err}");
+    // Literal secrets never print.
+    let c = with("[secrets]\nvalues = [\"planted-secret-value\"]\n");
+    assert!(
+        !c.to_redacted_toml()
+            .unwrap()
+            .contains("planted-secret-value")
+    );
 }

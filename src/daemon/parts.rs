@@ -1,5 +1,16 @@
-//! From configuration to `RuntimeParts`: the store, the tools, the model providers and the
-//! agents. Kinds this build does not contain yet fail at start with a clear error.
+//! From configuration to `RuntimeParts`: the store, the tools, the model providers, the agents
+//! and the redactor.
+//!
+//! - `[models.X] kind = "openai"` → `OpenAiProvider` (its limits reach the gateway through
+//!   `Config::runtime_config`); `kind = "scripted"` → `ScriptedModel`.
+//! - `[tools.X] kind = "http"` → `HttpTool`; `kind = "builtin"` → a built-in tool.
+//! - `[tools.S] kind = "mcp"` is one MCP **server**: it is started (stdio child or streamable
+//!   HTTP) and its tools are listed here, within `startup_timeout`, and each is registered as
+//!   `S__<tool name on the server>` in the one registry (same name and schema checks as every
+//!   other tool). An agent lists `S__echo` for one tool, or `S` for all of them. A server that
+//!   does not start, or a listed tool it does not offer, fails the start.
+//! - The redactor knows every configured secret: model API keys, tenant tokens, tool bearer
+//!   tokens, `[secrets] values`, plus `[secrets] patterns` and the default credential patterns.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,13 +20,18 @@ use serde_json::Value;
 
 use crate::agent::AgentSpec;
 use crate::config::{Config, ModelConfig, ModelKind, ToolConfig, ToolKind};
+use crate::context::ContextBudget;
 use crate::model::ModelProvider;
+use crate::model::openai::{ApiKey, OpenAiConfig, OpenAiProvider};
 use crate::model::scripted::{Cassette, ScriptedModel};
+use crate::redact::Redactor;
 use crate::run::Budget;
 use crate::run::verify::Verifier;
 use crate::runtime::RuntimeParts;
 use crate::store::SharedStore;
 use crate::tool::builtin::{Add, CountingTool, Echo};
+use crate::tool::http::HttpTool;
+use crate::tool::mcp::{McpServer, McpServerConfig, McpTransport, NAME_SEPARATOR};
 use crate::tool::registry::Registry;
 use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 
@@ -26,6 +42,28 @@ pub enum BuildError {
     Invalid { key: String, message: String },
     #[error("{what} is not available in this build")]
     Unavailable { what: String },
+    #[error("{key}: {message}")]
+    Config { key: String, message: String },
+}
+
+impl From<crate::config::Error> for BuildError {
+    fn from(e: crate::config::Error) -> Self {
+        match e {
+            crate::config::Error::Invalid { key, message } => BuildError::Config { key, message },
+            other => BuildError::Config {
+                key: "config".into(),
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+/// The parts, plus the MCP servers started for them (shut down with the daemon).
+pub struct Built {
+    pub parts: RuntimeParts,
+    pub mcp_servers: Vec<Arc<McpServer>>,
+    /// The redactor also given to the runtime, for the API and the logs.
+    pub redactor: Arc<Redactor>,
 }
 
 fn invalid(key: impl Into<String>, message: impl Into<String>) -> BuildError {
@@ -81,6 +119,15 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> ToolSpec {
     if let Some(a) = &t.approval {
         spec.approval = a.clone();
     }
+    if let Some(r) = t.risk {
+        spec.risk = r;
+    }
+    if let Some(d) = t.approval_timeout {
+        spec.approval_timeout = Some(d);
+    }
+    if let Some(a) = t.on_approval_timeout {
+        spec.on_approval_timeout = a;
+    }
     if let Some(d) = t.timeout {
         spec.timeout = d;
     }
@@ -93,16 +140,38 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> ToolSpec {
     spec
 }
 
+fn resolve(
+    secret: &Option<crate::config::Secret>,
+    key: &str,
+) -> Result<Option<String>, BuildError> {
+    secret
+        .as_ref()
+        .map(|s| s.resolve(key))
+        .transpose()
+        .map_err(BuildError::from)
+}
+
 fn build_tool(name: &str, t: &ToolConfig) -> Result<Arc<dyn Tool>, BuildError> {
     let key = format!("tools.{name}");
     match t.kind {
-        // At merge: `crate::tool::http::HttpTool` and `crate::tool::mcp`.
-        ToolKind::Http => Err(BuildError::Unavailable {
-            what: format!("{key}: tool kind \"http\""),
-        }),
-        ToolKind::Mcp => Err(BuildError::Unavailable {
-            what: format!("{key}: tool kind \"mcp\""),
-        }),
+        ToolKind::Http => {
+            let url = t
+                .url
+                .as_deref()
+                .ok_or_else(|| invalid(format!("{key}.url"), "is required for kind \"http\""))?;
+            let parameters = t
+                .parameters
+                .clone()
+                .unwrap_or_else(|| serde_json::json!({"type": "object"}));
+            let spec = apply(name, t, ToolSpec::new(name, "", parameters));
+            let mut tool = HttpTool::new(spec, url, t.status_url.as_deref())
+                .map_err(|e| invalid(format!("{key}.url"), e.message))?;
+            if let Some(token) = resolve(&t.bearer_token, &format!("{key}.bearer_token"))? {
+                tool = tool.with_bearer_token(token);
+            }
+            Ok(Arc::new(tool))
+        }
+        ToolKind::Mcp => Err(invalid(key, "an MCP server is started by `start_mcp`")),
         ToolKind::Builtin => {
             let inner: Arc<dyn Tool> = match t.builtin.as_deref() {
                 Some("echo") => Arc::new(Echo::new()),
@@ -124,13 +193,118 @@ fn build_tool(name: &str, t: &ToolConfig) -> Result<Arc<dyn Tool>, BuildError> {
     }
 }
 
-fn build_model(name: &str, m: &ModelConfig) -> Result<Arc<dyn ModelProvider>, BuildError> {
+/// Bound on starting an MCP server, and on listing its tools, when not configured.
+const DEFAULT_MCP_STARTUP: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Starts one configured MCP server and lists its tools (bounded by its startup timeout).
+async fn start_mcp(name: &str, t: &ToolConfig) -> Result<Arc<McpServer>, BuildError> {
+    let key = format!("tools.{name}");
+    let transport = match (&t.command, &t.url) {
+        (Some(command), None) => McpTransport::Stdio {
+            command: command.clone(),
+            args: t.args.clone(),
+            env: Vec::new(),
+            cwd: None,
+            inherit_env: false,
+        },
+        (None, Some(url)) => McpTransport::Http {
+            url: url.clone(),
+            bearer_token: resolve(&t.bearer_token, &format!("{key}.bearer_token"))?,
+        },
+        _ => {
+            return Err(invalid(
+                key,
+                "kind \"mcp\" needs exactly one of `command` or `url`",
+            ));
+        }
+    };
+    let mut config = McpServerConfig::new(name, transport);
+    if let Some(d) = t.timeout {
+        config.timeout = d;
+    }
+    config.startup_timeout = t.startup_timeout.unwrap_or(DEFAULT_MCP_STARTUP);
+    if let Some(e) = t.effect {
+        config.effect = e;
+    }
+    config.effects = t.effects.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    if let Some(r) = t.risk {
+        config.risk = r;
+    }
+    if let Some(a) = &t.approval {
+        config.approval = a.clone();
+    }
+    if let Some(n) = t.max_output_bytes {
+        config.max_output_bytes = n;
+    }
+    let startup = config.startup_timeout;
+    // `start` and `discover` are each bounded by `startup_timeout`; this bounds the pair.
+    let server = tokio::time::timeout(startup.saturating_mul(2), McpServer::start(config))
+        .await
+        .map_err(|_| invalid(key.clone(), format!("did not start within {startup:?}")))?
+        .map_err(|e| invalid(key.clone(), e.to_string()))?;
+    Ok(server)
+}
+
+/// Registers the tools of a started MCP server, with the tool-level policy keys of its config.
+async fn register_mcp(
+    name: &str,
+    t: &ToolConfig,
+    server: &Arc<McpServer>,
+    registry: &mut Registry,
+) -> Result<Vec<String>, BuildError> {
+    let key = format!("tools.{name}");
+    let startup = t.startup_timeout.unwrap_or(DEFAULT_MCP_STARTUP);
+    let found = tokio::time::timeout(startup.saturating_mul(2), server.discover())
+        .await
+        .map_err(|_| {
+            invalid(
+                key.clone(),
+                format!("listing tools took longer than {startup:?}"),
+            )
+        })?
+        .map_err(|e| invalid(key.clone(), e.to_string()))?;
+    for (tool, reason) in &found.skipped {
+        tracing::warn!(server = %name, %tool, %reason, "MCP tool not registered");
+    }
+    let mut names = Vec::new();
+    for tool in found.tools {
+        let mut spec = tool.spec().clone();
+        if let Some(d) = t.approval_timeout {
+            spec.approval_timeout = Some(d);
+        }
+        if let Some(a) = t.on_approval_timeout {
+            spec.on_approval_timeout = a;
+        }
+        names.push(spec.name.clone());
+        let inner: Arc<dyn Tool> = tool;
+        registry
+            .register(Arc::new(Configured { inner, spec }))
+            .map_err(|e| invalid(key.clone(), e.to_string()))?;
+    }
+    tracing::info!(server = %name, tools = names.len(), "MCP server started");
+    Ok(names)
+}
+
+fn build_model(
+    name: &str,
+    m: &ModelConfig,
+    default_timeout: std::time::Duration,
+) -> Result<Arc<dyn ModelProvider>, BuildError> {
     let key = format!("models.{name}");
     match m.kind {
-        // At merge: `crate::model::openai::OpenAiProvider`.
-        ModelKind::Openai => Err(BuildError::Unavailable {
-            what: format!("{key}: model kind \"openai\""),
-        }),
+        ModelKind::Openai => {
+            let base_url = m.base_url.clone().ok_or_else(|| {
+                invalid(format!("{key}.base_url"), "is required for kind \"openai\"")
+            })?;
+            let model = m.model.clone().ok_or_else(|| {
+                invalid(format!("{key}.model"), "is required for kind \"openai\"")
+            })?;
+            let mut config = OpenAiConfig::new(name, base_url, model);
+            config.api_key = resolve(&m.api_key, &format!("{key}.api_key"))?.map(ApiKey::new);
+            config.timeout = m.timeout.unwrap_or(default_timeout);
+            let provider = OpenAiProvider::new(config).map_err(|e| invalid(key, e.message))?;
+            Ok(Arc::new(provider))
+        }
         ModelKind::Scripted => {
             let cassette = if let Some(path) = &m.cassette {
                 let text = std::fs::read_to_string(path).map_err(|e| {
@@ -162,13 +336,42 @@ fn build_model(name: &str, m: &ModelConfig) -> Result<Arc<dyn ModelProvider>, Bu
     }
 }
 
+/// The redactor of this configuration: every configured secret value and pattern.
+pub fn build_redactor(config: &Config) -> Result<Redactor, BuildError> {
+    let mut r = Redactor::new();
+    for (i, t) in config.tenants.iter().enumerate() {
+        for (j, tok) in t.tokens.iter().enumerate() {
+            r.add_secret(tok.resolve(&format!("tenants[{i}].tokens[{j}]"))?);
+        }
+    }
+    for (name, m) in &config.models {
+        if let Some(k) = resolve(&m.api_key, &format!("models.{name}.api_key"))? {
+            r.add_secret(k);
+        }
+    }
+    for (name, t) in &config.tools {
+        if let Some(k) = resolve(&t.bearer_token, &format!("tools.{name}.bearer_token"))? {
+            r.add_secret(k);
+        }
+    }
+    for (i, v) in config.secrets.values.iter().enumerate() {
+        r.add_secret(v.resolve(&format!("secrets.values[{i}]"))?);
+    }
+    for (i, p) in config.secrets.patterns.iter().enumerate() {
+        r.add_value_pattern(p)
+            .map_err(|e| invalid(format!("secrets.patterns[{i}]"), e.to_string()))?;
+    }
+    Ok(r)
+}
+
 /// Builds everything the runtime runs from `config` (already validated) on `store`, plus native
-/// tools supplied by an embedding program.
-pub fn build_parts(
+/// tools supplied by an embedding program. Starts the configured MCP servers.
+pub async fn build_parts(
     config: &Config,
     store: SharedStore,
     native_tools: Vec<Arc<dyn Tool>>,
-) -> Result<RuntimeParts, BuildError> {
+) -> Result<Built, BuildError> {
+    let redactor = Arc::new(build_redactor(config)?);
     let mut registry = Registry::new();
     for tool in native_tools {
         let name = tool.spec().name.clone();
@@ -176,25 +379,52 @@ pub fn build_parts(
             .register(tool)
             .map_err(|e| invalid(format!("native tool {name}"), e.to_string()))?;
     }
-    for (name, t) in &config.tools {
-        registry
-            .register(build_tool(name, t)?)
-            .map_err(|e| invalid(format!("tools.{name}"), e.to_string()))?;
+    let mut mcp_servers = Vec::new();
+    let mut mcp_tools: HashMap<String, Vec<String>> = HashMap::new();
+    let result = register_all(config, &mut registry, &mut mcp_servers, &mut mcp_tools).await;
+    if let Err(e) = result {
+        for s in &mcp_servers {
+            s.shutdown().await;
+        }
+        return Err(e);
     }
     let mut models: HashMap<String, Arc<dyn ModelProvider>> = HashMap::new();
     for (name, m) in &config.models {
-        models.insert(name.clone(), build_model(name, m)?);
+        models.insert(
+            name.clone(),
+            build_model(name, m, config.runtime.model_timeout)?,
+        );
     }
     let mut agents = Vec::new();
     for (name, a) in &config.agents {
+        let mut tools = Vec::new();
+        for t in &a.tools {
+            match mcp_tools.get(t) {
+                // A whole MCP server: every tool it offered at start.
+                Some(all) => tools.extend(all.iter().cloned()),
+                None => {
+                    if t.contains(NAME_SEPARATOR) && registry.get(t).is_none() {
+                        return Err(invalid(
+                            format!("agents.{name}.tools"),
+                            format!("the MCP server does not offer tool {t:?}"),
+                        ));
+                    }
+                    tools.push(t.clone());
+                }
+            }
+        }
         let mut spec = AgentSpec::new(name, &a.model)
             .instructions(&a.instructions)
-            .tools(a.tools.iter().cloned())
+            .tools(tools)
             .budget(Budget {
                 max_turns: a.max_turns,
                 max_tool_calls: a.max_tool_calls,
                 max_tokens: a.max_tokens,
                 deadline_ms: None,
+            })
+            .context(ContextBudget {
+                max_tokens: a.context_tokens,
+                max_tool_output_bytes: a.context_tool_output_bytes,
             });
         if let Some(d) = a.deadline {
             spec = spec.deadline(d);
@@ -207,11 +437,37 @@ pub fn build_parts(
         }
         agents.push(spec);
     }
-    Ok(RuntimeParts {
-        store,
-        registry,
-        models,
-        agents,
-        faults: None,
+    Ok(Built {
+        parts: RuntimeParts {
+            store,
+            registry,
+            models,
+            agents,
+            faults: None,
+            redactor: Some(redactor.clone()),
+        },
+        mcp_servers,
+        redactor,
     })
+}
+
+async fn register_all(
+    config: &Config,
+    registry: &mut Registry,
+    mcp_servers: &mut Vec<Arc<McpServer>>,
+    mcp_tools: &mut HashMap<String, Vec<String>>,
+) -> Result<(), BuildError> {
+    for (name, t) in &config.tools {
+        if t.kind == ToolKind::Mcp {
+            let server = start_mcp(name, t).await?;
+            mcp_servers.push(server.clone());
+            let names = register_mcp(name, t, &server, registry).await?;
+            mcp_tools.insert(name.clone(), names);
+        } else {
+            registry
+                .register(build_tool(name, t)?)
+                .map_err(|e| invalid(format!("tools.{name}"), e.to_string()))?;
+        }
+    }
+    Ok(())
 }

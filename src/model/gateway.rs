@@ -3,11 +3,18 @@
 //! so a job over the rate waits in the bounded queue instead of being dropped. Provider faults
 //! are retried here, honouring `Retry-After`, with capped jittered backoff: what reaches a run
 //! is final for that turn.
+//!
+//! Fairness between tenants: requests are admitted to the pool's workers through per-tenant
+//! queues served round-robin (`Fair`), and optionally capped per tenant
+//! (`tenant_max_in_flight`). A burst of a thousand runs from one tenant queues behind its own
+//! requests only: another tenant's request takes the next free worker. Provider-wide limits
+//! (requests and tokens per minute, the number of workers, the queue bound) stay shared by
+//! every run.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU32;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -16,7 +23,6 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::{ModelError, ModelErrorKind, ModelProvider, ModelReply, ModelRequest};
-use crate::ids::RunId;
 use crate::pool::{Pool, PoolJob, PoolSize, ReplyOnce};
 
 /// Limits shared by every run using one model.
@@ -36,6 +42,8 @@ pub struct GatewayConfig {
     pub max_attempts: u32,
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// Requests of one tenant in the workers at once; 0 = no cap (round-robin only).
+    pub tenant_max_in_flight: usize,
 }
 
 impl Default for GatewayConfig {
@@ -49,6 +57,7 @@ impl Default for GatewayConfig {
             max_attempts: 4,
             retry_base: Duration::from_millis(250),
             retry_max: Duration::from_secs(20),
+            tenant_max_in_flight: 0,
         }
     }
 }
@@ -62,6 +71,8 @@ pub struct GatewayStats {
     pub failures: AtomicU64,
     pub rate_limit_wait_us: AtomicU64,
     pub latency_us_total: AtomicU64,
+    /// Requests waiting in the per-tenant queues now.
+    pub queued: AtomicU64,
 }
 
 struct ModelLimiters {
@@ -82,12 +93,175 @@ pub struct ModelJob {
     request: ModelRequest,
     cancel: CancellationToken,
     reply: ReplyOnce<Result<ModelReply, ModelError>>,
+    /// Holds one worker slot of the tenant in `Fair`; released when the job is dropped.
+    ticket: Option<Ticket>,
+}
+
+/// Per-tenant admission to the pool's workers: at most `workers` jobs are handed to the pool;
+/// the rest wait in one queue per tenant, served round-robin.
+struct Fair {
+    state: Mutex<FairState>,
+    pool: Pool<ModelJob>,
+    workers: usize,
+    queue_cap: usize,
+    tenant_cap: usize,
+    stats: Arc<GatewayStats>,
+}
+
+#[derive(Default)]
+struct FairState {
+    in_flight: usize,
+    per_tenant: HashMap<String, usize>,
+    queues: HashMap<String, VecDeque<ModelJob>>,
+    /// Tenants with queued jobs, in serving order.
+    ring: VecDeque<String>,
+    queued: usize,
+    stopped: bool,
+}
+
+impl FairState {
+    fn under_cap(&self, tenant: &str, cap: usize) -> bool {
+        cap == 0 || self.per_tenant.get(tenant).copied().unwrap_or(0) < cap
+    }
+
+    fn take_slot(&mut self, tenant: &str) {
+        self.in_flight += 1;
+        *self.per_tenant.entry(tenant.to_owned()).or_insert(0) += 1;
+    }
+
+    /// The next queued job whose tenant may take a worker, round-robin.
+    fn pick(&mut self, cap: usize) -> Option<(String, ModelJob)> {
+        for _ in 0..self.ring.len() {
+            let tenant = self.ring.pop_front()?;
+            if !self.under_cap(&tenant, cap) {
+                self.ring.push_back(tenant);
+                continue;
+            }
+            let queue = self.queues.get_mut(&tenant)?;
+            let job = queue.pop_front();
+            if queue.is_empty() {
+                self.queues.remove(&tenant);
+            } else {
+                self.ring.push_back(tenant.clone());
+            }
+            if let Some(job) = job {
+                self.queued -= 1;
+                self.take_slot(&tenant);
+                return Some((tenant, job));
+            }
+        }
+        None
+    }
+}
+
+/// A tenant's worker slot; dropping it lets the next queued job in.
+struct Ticket {
+    fair: Arc<Fair>,
+    tenant: String,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.fair.release(&self.tenant);
+    }
+}
+
+impl Fair {
+    fn send(self: &Arc<Self>, tenant: String, mut job: ModelJob) {
+        let key = job.request.run_id.clone();
+        job.ticket = Some(Ticket {
+            fair: Arc::clone(self),
+            tenant,
+        });
+        self.pool.submit(key, job);
+    }
+
+    fn submit(self: &Arc<Self>, mut job: ModelJob) {
+        let tenant = job.request.tenant.clone();
+        let admitted = {
+            let Ok(mut st) = self.state.lock() else {
+                job.shed();
+                return;
+            };
+            if st.stopped {
+                Err(job)
+            } else if st.in_flight < self.workers && st.under_cap(&tenant, self.tenant_cap) {
+                st.take_slot(&tenant);
+                Ok(Some(job))
+            } else if st.queued >= self.queue_cap {
+                Err(job)
+            } else {
+                st.queued += 1;
+                let queue = st.queues.entry(tenant.clone()).or_default();
+                let first = queue.is_empty();
+                queue.push_back(job);
+                if first {
+                    st.ring.push_back(tenant.clone());
+                }
+                Ok(None)
+            }
+        };
+        match admitted {
+            Ok(Some(job)) => self.send(tenant, job),
+            Ok(None) => {
+                self.stats.queued.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(mut job) => {
+                let stats = self.pool.stats();
+                stats.submitted.fetch_add(1, Ordering::Relaxed);
+                stats.shed.fetch_add(1, Ordering::Relaxed);
+                job.shed();
+            }
+        }
+    }
+
+    fn release(self: &Arc<Self>, tenant: &str) {
+        let next = {
+            let Ok(mut st) = self.state.lock() else {
+                return;
+            };
+            st.in_flight = st.in_flight.saturating_sub(1);
+            if let Some(n) = st.per_tenant.get_mut(tenant) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    st.per_tenant.remove(tenant);
+                }
+            }
+            if st.stopped {
+                None
+            } else {
+                st.pick(self.tenant_cap)
+            }
+        };
+        if let Some((tenant, job)) = next {
+            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            self.send(tenant, job);
+        }
+    }
+
+    /// Refuses new jobs and sheds the queued ones.
+    fn stop(&self) {
+        let queued: Vec<ModelJob> = match self.state.lock() {
+            Ok(mut st) => {
+                st.stopped = true;
+                st.ring.clear();
+                st.queued = 0;
+                st.queues.drain().flat_map(|(_, q)| q).collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        self.stats.queued.store(0, Ordering::Relaxed);
+        for mut job in queued {
+            job.shed();
+        }
+    }
 }
 
 /// A cheap-to-clone handle to the model pool.
 #[derive(Clone)]
 pub struct ModelGateway {
     pool: Pool<ModelJob>,
+    fair: Arc<Fair>,
     shared: Arc<Shared>,
 }
 
@@ -124,7 +298,15 @@ impl ModelGateway {
             stats: Arc::new(GatewayStats::default()),
         });
         let (pool, join) = Pool::start("model", config.size).await?;
-        Ok((ModelGateway { pool, shared }, join))
+        let fair = Arc::new(Fair {
+            state: Mutex::new(FairState::default()),
+            pool: pool.clone(),
+            workers: config.size.workers.max(1),
+            queue_cap: config.size.queue.max(1),
+            tenant_cap: config.tenant_max_in_flight,
+            stats: Arc::clone(&shared.stats),
+        });
+        Ok((ModelGateway { pool, fair, shared }, join))
     }
 
     /// Sends a request; `reply` is called exactly once, unless `cancel` fires first.
@@ -134,16 +316,13 @@ impl ModelGateway {
         cancel: CancellationToken,
         reply: impl FnOnce(Result<ModelReply, ModelError>) + Send + Sync + 'static,
     ) {
-        let key: RunId = request.run_id.clone();
-        self.pool.submit(
-            key,
-            ModelJob {
-                shared: self.shared.clone(),
-                request,
-                cancel,
-                reply: ReplyOnce::new(reply),
-            },
-        );
+        self.fair.submit(ModelJob {
+            shared: self.shared.clone(),
+            request,
+            cancel,
+            reply: ReplyOnce::new(reply),
+            ticket: None,
+        });
     }
 
     pub fn pool(&self) -> &Pool<ModelJob> {
@@ -159,6 +338,7 @@ impl ModelGateway {
     }
 
     pub fn stop(&self) {
+        self.fair.stop();
         self.pool.stop();
     }
 }
@@ -263,5 +443,122 @@ impl PoolJob for ModelJob {
             ModelErrorKind::Overloaded,
             "the model pool queue is full",
         )));
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::ids::RunId;
+    use crate::model::ToolChoice;
+
+    /// Records the tenant of every attempt; answers once `gate` gives a permit.
+    struct Recorder {
+        order: Mutex<Vec<String>>,
+        gate: tokio::sync::Semaphore,
+    }
+
+    #[async_trait]
+    impl ModelProvider for Recorder {
+        fn name(&self) -> &str {
+            "m"
+        }
+
+        async fn complete(
+            &self,
+            request: &ModelRequest,
+        ) -> Result<ModelReply, super::super::AttemptError> {
+            self.order.lock().unwrap().push(request.tenant.clone());
+            if let Ok(p) = self.gate.acquire().await {
+                p.forget();
+            }
+            Ok(ModelReply::default())
+        }
+    }
+
+    fn request(tenant: &str) -> ModelRequest {
+        ModelRequest {
+            run_id: RunId::generate(),
+            tenant: tenant.into(),
+            model: "m".into(),
+            messages: Vec::new(),
+            tools: Vec::new(),
+            tool_choice: ToolChoice::Auto,
+        }
+    }
+
+    async fn gateway(
+        workers: usize,
+        tenant_cap: usize,
+        permits: usize,
+    ) -> (ModelGateway, Arc<Recorder>) {
+        let recorder = Arc::new(Recorder {
+            order: Mutex::new(Vec::new()),
+            gate: tokio::sync::Semaphore::new(permits),
+        });
+        let config = GatewayConfig {
+            size: PoolSize {
+                workers,
+                queue: 1000,
+            },
+            tenant_max_in_flight: tenant_cap,
+            ..GatewayConfig::default()
+        };
+        let providers: HashMap<String, Arc<dyn ModelProvider>> =
+            HashMap::from([("m".to_owned(), recorder.clone() as Arc<dyn ModelProvider>)]);
+        let (g, _join) = ModelGateway::start(config, providers, HashMap::new())
+            .await
+            .unwrap();
+        (g, recorder)
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_one_tenant_does_not_starve_another() {
+        let (g, rec) = gateway(2, 0, 1000).await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let submit = |tenant: &str| {
+            let tx = tx.clone();
+            g.submit(request(tenant), CancellationToken::new(), move |r| {
+                let _ = tx.send(r.is_ok());
+            });
+        };
+        for _ in 0..20 {
+            submit("burst");
+        }
+        submit("quiet");
+        for _ in 0..21 {
+            let ok = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(ok);
+        }
+        let order = rec.order.lock().unwrap().clone();
+        let at = order.iter().position(|t| t == "quiet").unwrap();
+        assert!(
+            at <= 3,
+            "the quiet tenant waited behind the burst: {at} ({order:?})"
+        );
+        g.stop();
+    }
+
+    #[tokio::test]
+    async fn the_per_tenant_cap_leaves_workers_for_others() {
+        let (g, rec) = gateway(4, 1, 0).await;
+        for t in ["a", "a", "a", "b"] {
+            g.submit(request(t), CancellationToken::new(), |_| {});
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rec.order.lock().unwrap().len() < 2 {
+            assert!(Instant::now() < deadline, "calls did not start");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let mut started = rec.order.lock().unwrap().clone();
+        started.sort();
+        assert_eq!(started, ["a", "b"], "one call per tenant while capped");
+        assert_eq!(g.stats().queued.load(Ordering::Relaxed), 2);
+        rec.gate.add_permits(10);
+        g.stop();
     }
 }

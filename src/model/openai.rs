@@ -997,6 +997,7 @@ mod tests {
         assert_eq!(p.endpoint, "http://h/v1/chat/completions");
         let req = ModelRequest {
             run_id: RunId::generate(),
+            tenant: "t".into(),
             model: "local".into(),
             messages: vec![
                 Message::System {

@@ -300,6 +300,7 @@ mod tests {
     fn request(messages: Vec<Message>) -> ModelRequest {
         ModelRequest {
             run_id: RunId::generate(),
+            tenant: "t".into(),
             model: "m".into(),
             messages,
             tools: Vec::new().into(),

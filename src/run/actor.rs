@@ -5,8 +5,13 @@
 //! It never awaits a model or tool call in a handler: requests go to the shared pools with the
 //! actor's address and the run's epoch, and replies come back as messages, so cancel, approve
 //! and input are handled while a slow call is in flight. The only awaits are store writes.
+//!
+//! Secrets: every event's data passes the runtime's redactor before it is committed, and so
+//! does every tool result before it enters the run (so configured secrets never reach the
+//! checkpoint, the model or the event log). A call waiting for approval whose tool has an
+//! `approval_timeout` gets a timer that delivers `RunEvent::ApprovalExpired`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -20,10 +25,11 @@ use super::verify::verify_all;
 use crate::agent::Agent;
 use crate::clock::now_ms;
 use crate::hub::Hub;
-use crate::ids::RunId;
+use crate::ids::{CallId, RunId};
 use crate::metrics::Metrics;
 use crate::model::gateway::ModelGateway;
 use crate::model::{ModelRequest, ToolChoice};
+use crate::redact::Redactor;
 use crate::store::{self, Checkpoint, Control, EventRecord, Lease, SharedStore};
 use crate::tool::executor::{ToolExecutor, ToolOutcome, ToolWork};
 use crate::tool::{ToolContext, ToolError, ToolErrorCode, ToolResult};
@@ -83,6 +89,8 @@ pub struct RunDeps {
     pub metrics: Arc<Metrics>,
     /// Non-terminal runs per tenant (for the per-tenant limit); a run leaves it when it ends.
     pub active: dashmap::DashMap<String, std::sync::atomic::AtomicI64>,
+    /// Applied to event data before commit and to tool results before they enter the run.
+    pub redactor: Arc<Redactor>,
 }
 
 /// Start arguments.
@@ -118,6 +126,8 @@ struct Live {
     reloading: bool,
     held: Vec<RunMsg>,
     writer: CheckpointWriter,
+    /// Calls whose approval-expiry timer is armed in this incarnation.
+    approval_timers: HashSet<CallId>,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -406,6 +416,7 @@ impl Live {
             reloading: false,
             held: Vec::new(),
             writer: CheckpointWriter::default(),
+            approval_timers: HashSet::new(),
         }
     }
 }
@@ -574,11 +585,13 @@ async fn apply(
     if let Some(seq) = control_seq {
         live.run.controls_applied = live.run.controls_applied.max(seq);
     }
+    let mut data = transition.data;
+    deps.redactor.redact_value_in_place(&mut data);
     let record = EventRecord {
         seq: live.run.version,
         at_ms: now,
         kind: transition.kind.to_owned(),
-        data: transition.data,
+        data,
     };
     let checkpoint = live
         .writer
@@ -620,7 +633,38 @@ async fn apply(
     for effect in transition.effects {
         execute(myself, deps, live, effect);
     }
+    arm_approval_timers(myself, live, now);
     Ok(Applied::Done)
+}
+
+/// Arms one expiry timer per call awaiting approval whose tool has an `approval_timeout`,
+/// counted from when the call began waiting (so a restart does not extend it).
+fn arm_approval_timers(myself: &ActorRef<RunMsg>, live: &mut Live, now: u64) {
+    if live.run.status != super::state::Status::WaitingApproval {
+        return;
+    }
+    for c in &live.run.calls {
+        if c.status != super::state::CallStatus::AwaitingApproval
+            || live.approval_timers.contains(&c.call_id)
+        {
+            continue;
+        }
+        let Some(after) = live
+            .agent
+            .tools
+            .tool(&c.tool)
+            .and_then(|t| t.spec().approval_timeout)
+        else {
+            continue;
+        };
+        let since = c.awaiting_since_ms.unwrap_or(now);
+        let due = since.saturating_add(after.as_millis() as u64);
+        let call_id = c.call_id.clone();
+        live.approval_timers.insert(call_id.clone());
+        myself.send_after(Duration::from_millis(due.saturating_sub(now)), move || {
+            RunMsg::Event(RunEvent::ApprovalExpired { call_id })
+        });
+    }
 }
 
 fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effect: Effect) {
@@ -632,6 +676,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             }
             let request = ModelRequest {
                 run_id: run.id.clone(),
+                tenant: run.tenant.clone(),
                 model: live.agent.spec.model.clone(),
                 messages: live.agent.context(run),
                 tools: match tool_choice {
@@ -693,12 +738,14 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 }
             };
             let metrics = deps.metrics.clone();
+            let redactor = deps.redactor.clone();
             let sent = Instant::now();
             live.tools_in_flight += 1;
             deps.tools.submit(tool, ctx, work, move |outcome| {
                 metrics.tool_latency.observe(sent.elapsed());
                 let event = match outcome {
-                    ToolOutcome::Result(result) => {
+                    ToolOutcome::Result(mut result) => {
+                        result.redact(&redactor);
                         if !result.ok {
                             metrics.tool_errors.fetch_add(1, Ordering::Relaxed);
                         }
@@ -708,11 +755,18 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                             result,
                         }
                     }
-                    ToolOutcome::Status(outcome) => RunEvent::StatusChecked {
-                        epoch,
-                        call_id,
-                        outcome,
-                    },
+                    ToolOutcome::Status(mut outcome) => {
+                        match &mut outcome {
+                            Ok(Some(result)) => result.redact(&redactor),
+                            Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
+                            Ok(None) => {}
+                        }
+                        RunEvent::StatusChecked {
+                            epoch,
+                            call_id,
+                            outcome,
+                        }
+                    }
                 };
                 let _ = me.cast(RunMsg::Event(event));
             });

@@ -34,6 +34,7 @@
 //! | running/verifying | VerificationDone: rejected | next turn, or failed (`verification_failed`) | CallModel | verification_rejected |
 //! | waiting_approval | Approve | advance batch | ExecuteTool… | call_approved |
 //! | waiting_approval | Reject | advance batch | … | call_rejected |
+//! | waiting_approval | ApprovalExpired (call still awaiting) | advance batch, the call approved or rejected by its tool's `on_approval_timeout` | ExecuteTool… | approval_expired |
 //! | waiting_input | Input | next turn | CallModel | input_received |
 //! | running, waiting_* | Resume | re-issue in-flight work by tool policy | CallModel / ExecuteTool / CheckStatus / Verify | run_resumed |
 //! | * | Cancel | cancelled | AbortInFlight, Finish | run_cancelled |
@@ -57,7 +58,7 @@ use crate::idempotency::{call_fingerprint, idempotency_key};
 use crate::ids::CallId;
 use crate::model::{Message, ModelError, ModelErrorKind, ModelReply, ToolChoice};
 use crate::store::Control;
-use crate::tool::{ToolEffect, ToolError, ToolErrorCode, ToolResult};
+use crate::tool::{ApprovalTimeoutAction, ToolEffect, ToolError, ToolErrorCode, ToolResult};
 
 /// What happens to a run. Pool replies and timers carry the epoch they were issued with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -106,6 +107,11 @@ pub enum RunEvent {
         text: String,
     },
     DeadlineReached,
+    /// The approval timer of `call_id` fired (armed by the actor from the tool's
+    /// `approval_timeout`); a call already decided ignores it.
+    ApprovalExpired {
+        call_id: CallId,
+    },
     /// Ends the run as failed from outside (e.g. the supervisor's `crash_loop`).
     Abort {
         code: String,
@@ -129,6 +135,7 @@ impl RunEvent {
             RunEvent::Reject { .. } => "reject",
             RunEvent::Input { .. } => "input",
             RunEvent::DeadlineReached => "deadline_reached",
+            RunEvent::ApprovalExpired { .. } => "approval_expired",
             RunEvent::Abort { .. } => "abort",
         }
     }
@@ -144,6 +151,7 @@ impl RunEvent {
                 | RunEvent::StatusChecked { .. }
                 | RunEvent::VerificationDone { .. }
                 | RunEvent::DeadlineReached
+                | RunEvent::ApprovalExpired { .. }
         )
     }
 }
@@ -242,6 +250,11 @@ pub trait ToolCatalog {
     fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError>;
     /// Whether this call needs an operator's approval (may depend on the arguments).
     fn needs_approval(&self, name: &str, arguments: &Value) -> bool;
+    /// The decision taken for a call of `name` whose approval expired (default: reject).
+    fn on_approval_timeout(&self, name: &str) -> ApprovalTimeoutAction {
+        let _ = name;
+        ApprovalTimeoutAction::Reject
+    }
 }
 
 /// Bounds the machine enforces besides the budget.
@@ -365,6 +378,9 @@ fn ignored(event: &RunEvent, reason: &str) -> Transition {
         } => {
             data.insert("call_id".into(), json!(call_id));
             data.insert("ok".into(), json!(result.ok));
+        }
+        RunEvent::ApprovalExpired { call_id } => {
+            data.insert("call_id".into(), json!(call_id));
         }
         RunEvent::ModelReplied { epoch, .. }
         | RunEvent::ModelFailed { epoch, .. }
@@ -544,6 +560,11 @@ fn dispatch(
             approve(s, call_id, arguments, cx)
         }
         (Status::WaitingApproval, E::Reject { call_id, reason }) => reject(s, call_id, reason, cx),
+        (Status::WaitingApproval, E::ApprovalExpired { call_id })
+            if s.call(&call_id).map(|c| c.status) == Some(CallStatus::AwaitingApproval) =>
+        {
+            Ok(expire_approval(s, call_id, cx))
+        }
         (_, ev) if ev.is_reply() => Ok(ignored(&ev, "stale")),
         (status, ev) => Err(invalid(
             s,
@@ -852,6 +873,7 @@ fn validate_call(
         effect: info.effect,
         polling: info.polling,
         reconcilable: info.reconcilable,
+        awaiting_since_ms: (status == CallStatus::AwaitingApproval).then_some(cx.now_ms),
         status,
         attempts: 0,
         result,
@@ -1216,6 +1238,35 @@ fn reject(
     );
     add_dispatched(s, &mut t);
     Ok(t)
+}
+
+/// Nobody decided a call within its tool's approval timeout: take the tool's default decision.
+/// The caller checked that the call is still awaiting approval.
+fn expire_approval(s: &mut RunState, call_id: CallId, cx: &StepContext<'_>) -> Transition {
+    let mut action = ApprovalTimeoutAction::Reject;
+    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+        action = cx.tools.on_approval_timeout(&c.tool);
+        match action {
+            ApprovalTimeoutAction::Approve => c.status = CallStatus::Ready,
+            ApprovalTimeoutAction::Reject => {
+                c.status = CallStatus::Done;
+                c.result = Some(ToolResult::failure(ToolError::new(
+                    ToolErrorCode::ApprovalDenied,
+                    "no operator decided on this call in time; it was not run",
+                )));
+            }
+        }
+    }
+    s.decided
+        .push((call_id.clone(), action == ApprovalTimeoutAction::Approve));
+    let effects = advance_batch(s, cx);
+    let mut t = out(
+        "approval_expired",
+        json!({ "call_id": call_id, "action": action }),
+        effects,
+    );
+    add_dispatched(s, &mut t);
+    t
 }
 
 /// Re-issues the work a crashed incarnation had in flight, by each call's declared policy.

@@ -132,6 +132,9 @@ pub struct PendingCall {
     pub fingerprint: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<ToolResult>,
+    /// When the call began waiting for an operator (the approval expiry counts from here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaiting_since_ms: Option<u64>,
 }
 
 /// Why a run failed: a stable snake_case code and one sentence.

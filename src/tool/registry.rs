@@ -184,4 +184,10 @@ impl ToolCatalog for AgentTools {
         self.allowed_spec(name)
             .is_some_and(|s| s.requires_approval(arguments))
     }
+
+    fn on_approval_timeout(&self, name: &str) -> crate::tool::ApprovalTimeoutAction {
+        self.allowed_spec(name)
+            .map(|s| s.on_approval_timeout)
+            .unwrap_or_default()
+    }
 }

@@ -117,6 +117,11 @@ impl TestDaemon {
     pub async fn start_with(edit: impl FnOnce(&mut Config)) -> Self {
         let mut config = Config::from_toml(CONFIG).unwrap();
         edit(&mut config);
+        Self::start_config(config).await
+    }
+
+    /// Starts with `config` (plus the native `charge` tool, needing approval).
+    pub async fn start_config(config: Config) -> Self {
         let charge = CountingTool::new("charge", ToolEffect::Unsafe)
             .with_spec(|s| s.approval(ApprovalRule::Always));
         let ledger = charge.ledger();
@@ -214,9 +219,9 @@ impl TestDaemon {
         v["id"].as_str().unwrap().to_owned()
     }
 
-    /// Polls the run until `done` holds (10 s deadline).
+    /// Polls the run until `done` holds (20 s deadline).
     pub async fn wait_run(&self, token: &str, id: &str, done: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let (s, v) = self.get(&format!("/v1/runs/{id}"), token).await;
             assert_eq!(s, StatusCode::OK, "{v}");

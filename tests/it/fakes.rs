@@ -102,6 +102,8 @@ impl Scripted {
 pub struct RecordedRequest {
     pub body: Value,
     pub authorization: Option<String>,
+    /// When the request arrived.
+    pub at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -109,6 +111,11 @@ struct OpenAiState {
     script: Mutex<VecDeque<Scripted>>,
     fallback: Mutex<Option<Scripted>>,
     requests: Mutex<Vec<RecordedRequest>>,
+    /// `(limit, window)`: more than `limit` requests in one fixed window answer `429`.
+    rate_limit: Mutex<Option<(u32, std::time::Duration)>>,
+    /// `(window start, requests admitted in it)`.
+    window: Mutex<Option<(std::time::Instant, u32)>>,
+    rejected: std::sync::atomic::AtomicU64,
 }
 
 /// A fake OpenAI-compatible server: `POST /v1/chat/completions` pops the next scripted reply
@@ -153,6 +160,20 @@ impl FakeOpenAi {
         self
     }
 
+    /// Answers `429` (with `retry-after-ms` = the rest of the window) to requests beyond
+    /// `limit` in each fixed `window`, as a provider's rate limit would.
+    pub fn set_rate_limit(&self, limit: u32, window: std::time::Duration) -> &Self {
+        *self.state.rate_limit.lock().unwrap() = Some((limit, window));
+        self
+    }
+
+    /// Requests answered `429` by the rate limit.
+    pub fn rate_limited(&self) -> u64 {
+        self.state
+            .rejected
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Scripted replies not yet consumed.
     pub fn remaining(&self) -> usize {
         self.state.script.lock().unwrap().len()
@@ -167,13 +188,41 @@ impl Drop for FakeOpenAi {
 
 async fn chat(State(state): State<Arc<OpenAiState>>, headers: HeaderMap, body: String) -> Response {
     let body: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
+    let now = std::time::Instant::now();
     state.requests.lock().unwrap().push(RecordedRequest {
         body,
         authorization: headers
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned),
+        at: now,
     });
+    let limit = *state.rate_limit.lock().unwrap();
+    if let Some((limit, window)) = limit {
+        let mut w = state.window.lock().unwrap();
+        let (start, count) = match *w {
+            Some((start, count)) if now.duration_since(start) < window => (start, count),
+            _ => (now, 0),
+        };
+        if count >= limit {
+            *w = Some((start, count));
+            drop(w);
+            state
+                .rejected
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let wait = window.saturating_sub(now.duration_since(start));
+            return Response::builder()
+                .status(429)
+                .header("content-type", "application/json")
+                .header("retry-after-ms", wait.as_millis().max(1).to_string())
+                .body(Body::from(
+                    json!({"error": {"message": "Rate limit reached", "code": "rate_limit_exceeded"}})
+                        .to_string(),
+                ))
+                .unwrap();
+        }
+        *w = Some((start, count + 1));
+    }
     let next = state.script.lock().unwrap().pop_front();
     let next = next.or_else(|| state.fallback.lock().unwrap().clone());
     match next {

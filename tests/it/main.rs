@@ -11,6 +11,9 @@ mod cli;
 mod control;
 /// Daemon harness: `TestDaemon`, the test configuration, HTTP helpers, polling with deadlines.
 mod daemon_support;
+/// End to end through the HTTP API: the OpenAI provider, HTTP and MCP tools, faults,
+/// approvals, prompt injection, secret canaries and the retry-amplification figure.
+mod e2e;
 /// Fake OpenAI-compatible server and recording HTTP tool server.
 mod fakes;
 /// HTTP tools against the recording tool server.

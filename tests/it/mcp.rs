@@ -17,7 +17,7 @@ use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
 /// The server's launcher, or `None` (skip) outside CI when it is not installed.
-fn server_bin() -> Option<PathBuf> {
+pub fn server_bin() -> Option<PathBuf> {
     let bin = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/mcp/node_modules/.bin/mcp-server-everything");
     if bin.exists() {

@@ -25,6 +25,7 @@ fn provider(fake: &FakeOpenAi, timeout: Duration) -> OpenAiProvider {
 fn request(tools: bool) -> ModelRequest {
     ModelRequest {
         run_id: RunId::generate(),
+        tenant: "t".into(),
         model: "fake".into(),
         messages: vec![
             Message::System {

@@ -108,6 +108,7 @@ impl Builder {
                 models: self.models,
                 agents: self.agents,
                 faults: self.faults,
+                redactor: None,
             },
         )
         .await

@@ -12,7 +12,8 @@ use crate::model::{ModelErrorKind, ModelToolCall, TokenUsage};
 use crate::run::budget::Budget;
 
 /// Tools: `echo` (read), `idem` (idempotent), `unsafe_tool`, `recon` (unsafe, reconcilable),
-/// `gate` (needs approval), `poll` (polling), `hidden` (registered, not allowed).
+/// `gate` (needs approval), `gate_auto` (needs approval, approved when it expires), `poll`
+/// (polling), `hidden` (registered, not allowed).
 struct Catalog;
 
 impl ToolCatalog for Catalog {
@@ -25,7 +26,7 @@ impl ToolCatalog for Catalog {
             })
         };
         match name {
-            "echo" | "gate" => info(ToolEffect::Read, false, false),
+            "echo" | "gate" | "gate_auto" => info(ToolEffect::Read, false, false),
             "poll" => info(ToolEffect::Read, true, false),
             "idem" => info(ToolEffect::Idempotent, false, false),
             "unsafe_tool" => info(ToolEffect::Unsafe, false, false),
@@ -46,7 +47,15 @@ impl ToolCatalog for Catalog {
     }
 
     fn needs_approval(&self, name: &str, _arguments: &Value) -> bool {
-        name == "gate"
+        name == "gate" || name == "gate_auto"
+    }
+
+    fn on_approval_timeout(&self, name: &str) -> ApprovalTimeoutAction {
+        if name == "gate_auto" {
+            ApprovalTimeoutAction::Approve
+        } else {
+            ApprovalTimeoutAction::Reject
+        }
     }
 }
 
@@ -587,6 +596,54 @@ fn approve_dispatches_and_reject_answers_the_model() {
     assert!(has_call_model(&t, ToolChoice::Auto));
     assert!(
         matches!(s.messages.last(), Some(Message::Tool { content, .. }) if content.contains("approval_denied"))
+    );
+}
+
+#[test]
+fn an_expired_approval_takes_the_tools_default_decision() {
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("gate", "{}"), ("gate_auto", "{}")]));
+    assert_eq!(s.status, Status::WaitingApproval);
+    assert_eq!(s.calls[0].awaiting_since_ms, Some(10));
+    let (c0, c1): (CallId, CallId) = ("call_1_0".parse().unwrap(), "call_1_1".parse().unwrap());
+    let t = go(
+        &mut s,
+        RunEvent::ApprovalExpired {
+            call_id: c0.clone(),
+        },
+    );
+    assert_eq!(t.kind, "approval_expired");
+    assert_eq!(t.data["action"], "reject");
+    assert!(t.effects.is_empty(), "the other call still waits");
+    assert_eq!(s.status, Status::WaitingApproval);
+    let t = go(
+        &mut s,
+        RunEvent::ApprovalExpired {
+            call_id: c1.clone(),
+        },
+    );
+    assert_eq!(t.data["action"], "approve");
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    assert_eq!(s.decided, [(c0.clone(), false), (c1.clone(), true)]);
+    // A timer for a call already decided changes nothing; nor can an operator decide it again.
+    let t = go(&mut s, RunEvent::ApprovalExpired { call_id: c0 });
+    assert_eq!(t.kind, "late_result_ignored");
+    let again = step(
+        &mut s,
+        RunEvent::Approve {
+            call_id: c1,
+            arguments: None,
+        },
+        &cx(10),
+    );
+    assert_eq!(again.unwrap_err().code, "invalid_state");
+    let finished = finish_tool(&mut s, "call_1_1", ToolResult::success(json!("ok")));
+    assert!(has_call_model(&finished, ToolChoice::Auto));
+    assert!(
+        s.messages.iter().any(
+            |m| matches!(m, Message::Tool { content, .. } if content.contains("approval_denied"))
+        ),
+        "the expired call is answered to the model as rejected"
     );
 }
 
