@@ -47,9 +47,11 @@ fn run_after(turns: u32) -> RunState {
         policy: &policy,
         tools: &Catalog,
     };
-    let mut budget = Budget::default();
-    budget.max_turns = 1_000;
-    budget.max_tool_calls = 1_000;
+    let budget = Budget {
+        max_turns: 1_000,
+        max_tool_calls: 1_000,
+        ..Budget::default()
+    };
     let mut s = RunState::new(run_id(), "t".into(), "a".into(), json!("goal"), budget, 0);
     let _ = step(&mut s, RunEvent::Start, &cx);
     for t in 0..turns {

@@ -483,7 +483,7 @@ mod tests {
             tenant: tenant.into(),
             model: "m".into(),
             messages: Vec::new(),
-            tools: Vec::new(),
+            tools: Vec::new().into(),
             tool_choice: ToolChoice::Auto,
         }
     }
