@@ -16,6 +16,7 @@ use crate::run::verify::Verifier;
 use crate::runtime::RuntimeParts;
 use crate::store::SharedStore;
 use crate::tool::builtin::{Add, CountingTool, Echo};
+use crate::tool::http::HttpTool;
 use crate::tool::registry::Registry;
 use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 
@@ -96,10 +97,21 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> ToolSpec {
 fn build_tool(name: &str, t: &ToolConfig) -> Result<Arc<dyn Tool>, BuildError> {
     let key = format!("tools.{name}");
     match t.kind {
-        // At merge: `crate::tool::http::HttpTool` and `crate::tool::mcp`.
-        ToolKind::Http => Err(BuildError::Unavailable {
-            what: format!("{key}: tool kind \"http\""),
-        }),
+        // At merge: `crate::tool::mcp`.
+        ToolKind::Http => {
+            let url = t
+                .url
+                .as_deref()
+                .ok_or_else(|| invalid(format!("{key}.url"), "is required for kind \"http\""))?;
+            let parameters = t
+                .parameters
+                .clone()
+                .unwrap_or_else(|| serde_json::json!({"type": "object"}));
+            let spec = apply(name, t, ToolSpec::new(name, "", parameters));
+            let tool = HttpTool::new(spec, url, t.status_url.as_deref())
+                .map_err(|e| invalid(format!("{key}.url"), e.message))?;
+            Ok(Arc::new(tool))
+        }
         ToolKind::Mcp => Err(BuildError::Unavailable {
             what: format!("{key}: tool kind \"mcp\""),
         }),

@@ -5,6 +5,10 @@
 
 /// Every route and every error code of the HTTP API.
 mod api;
+/// kill -9 chaos on a real daemon process over a private redis-server (I1–I4).
+mod chaos;
+/// Durability harness: a daemon child process, the event-log oracle, the intent witness.
+mod chaos_support;
 /// The CLI binary against a live daemon.
 mod cli;
 /// Control routes: cancel, approvals, input — idempotency and conflicts.
