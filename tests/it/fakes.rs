@@ -260,6 +260,10 @@ struct ToolState {
     latency_ms: Mutex<(u64, u64)>,
     witness: Mutex<Option<Witness>>,
     violations: Mutex<Vec<String>>,
+    /// Applying calls answered (after the simulated latency).
+    answered: std::sync::atomic::AtomicU32,
+    /// `GET /status` queries.
+    status_queries: std::sync::atomic::AtomicU32,
 }
 
 /// A recording HTTP tool server. `POST /tool` takes the next behavior (default `Apply`);
@@ -315,6 +319,20 @@ impl ToolServer {
     pub fn set_witness(&self, witness: Witness) -> &Self {
         *self.state.witness.lock().unwrap() = Some(witness);
         self
+    }
+
+    /// Applying calls answered so far (the answer may still have found nobody listening).
+    pub fn answered(&self) -> u32 {
+        self.state
+            .answered
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Status queries so far.
+    pub fn status_queries(&self) -> u32 {
+        self.state
+            .status_queries
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// What witnesses rejected.
@@ -491,6 +509,9 @@ async fn serve_call(
                 state.apply(&key, &body)
             };
             state.simulate_latency().await;
+            state
+                .answered
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             axum::Json(result).into_response()
         }
         ToolBehavior::Refuse(status, message) => (
@@ -515,6 +536,9 @@ async fn serve_call(
 }
 
 async fn tool_status(State(state): State<Arc<ToolState>>, headers: HeaderMap) -> Response {
+    state
+        .status_queries
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let Some(key) = key_of(&headers) else {
         return (StatusCode::BAD_REQUEST, "missing Idempotency-Key").into_response();
     };

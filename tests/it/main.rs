@@ -15,6 +15,9 @@ mod cli;
 mod control;
 /// Daemon harness: `TestDaemon`, the test configuration, HTTP helpers, polling with deadlines.
 mod daemon_support;
+/// Runtime-level durability on Redis: fencing a stale owner, Redis killed and restarted with
+/// or without its data.
+mod durability;
 /// Fake OpenAI-compatible server and recording HTTP tool server.
 mod fakes;
 /// HTTP tools against the recording tool server.
