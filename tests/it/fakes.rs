@@ -1,7 +1,8 @@
 //! Fake servers for integration and end-to-end tests, each on 127.0.0.1:0: an
 //! OpenAI-compatible Chat Completions server that plays scripted replies and records requests,
-//! and an HTTP tool server that records every execution per `Idempotency-Key` and answers
-//! status queries.
+//! and an HTTP tool server that records every attempt and every execution per
+//! `Idempotency-Key`, answers status queries, and can check at receipt that the call's intent
+//! is already durable (a "witness").
 //!
 //! Both are stopped when dropped. Handlers that "hang" wait on a future that never completes,
 //! so tests observe client timeouts without sleeping.
@@ -280,19 +281,47 @@ pub struct ToolRequest {
     pub body: Value,
 }
 
+/// One request as a witness sees it, before the effect is applied.
+#[derive(Debug, Clone)]
+pub struct WitnessCall {
+    /// `run_id` from the request body.
+    pub run_id: String,
+    pub key: String,
+    /// How many requests with this key arrived so far, this one included (from 1).
+    pub attempt: u32,
+}
+
+/// Checks a request at receipt (e.g. "its intent is already in the store"); an `Err` is
+/// recorded as a violation and the request is served anyway.
+pub type Witness = Arc<
+    dyn Fn(WitnessCall) -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync,
+>;
+
 #[derive(Default)]
 struct ToolState {
     behaviors: Mutex<VecDeque<ToolBehavior>>,
     requests: Mutex<Vec<ToolRequest>>,
     executions: Mutex<HashMap<String, u32>>,
     results: Mutex<HashMap<String, Value>>,
+    /// Every request with a key, applied or not, per key.
+    attempts: Mutex<HashMap<String, u32>>,
+    /// Simulated processing time `(min, max)` in ms, after the effect and before the answer.
+    latency_ms: Mutex<(u64, u64)>,
+    witness: Mutex<Option<Witness>>,
+    violations: Mutex<Vec<String>>,
+    /// Applying calls answered (after the simulated latency).
+    answered: std::sync::atomic::AtomicU32,
+    /// `GET /status` queries.
+    status_queries: std::sync::atomic::AtomicU32,
 }
 
 /// A recording HTTP tool server. `POST /tool` takes the next behavior (default `Apply`);
 /// `GET /status` answers the recorded result of the `Idempotency-Key`, or `404`.
 ///
-/// It deliberately does not deduplicate: every applying request counts as an execution, so
-/// tests can assert that a key ran exactly once.
+/// `POST /tool` deliberately does not deduplicate (a *naive* tool): every applying request
+/// counts as an execution, so tests can assert that a key ran exactly once. `POST /honouring`
+/// is the same tool honouring keys: a repeated key gets the recorded result and is not applied
+/// again (but is counted in `attempts`).
 pub struct ToolServer {
     addr: SocketAddr,
     state: Arc<ToolState>,
@@ -304,6 +333,7 @@ impl ToolServer {
         let state = Arc::new(ToolState::default());
         let router = Router::new()
             .route("/tool", post(tool_call))
+            .route("/honouring", post(tool_call_honouring))
             .route("/status", get(tool_status))
             .with_state(Arc::clone(&state));
         let (addr, stop) = serve(router).await;
@@ -320,6 +350,64 @@ impl ToolServer {
 
     pub fn status_url(&self) -> String {
         format!("http://{}/status", self.addr)
+    }
+
+    /// The URL of the key-honouring variant of the tool.
+    pub fn honouring_url(&self) -> String {
+        format!("http://{}/honouring", self.addr)
+    }
+
+    /// Adds a random processing time in `[min, max]` after applying and before answering, so a
+    /// caller can die while the effect is applied and the answer not yet sent.
+    pub fn set_latency(&self, min: std::time::Duration, max: std::time::Duration) -> &Self {
+        *self.state.latency_ms.lock().unwrap() = (min.as_millis() as u64, max.as_millis() as u64);
+        self
+    }
+
+    /// Checks every keyed request at receipt, before it is applied.
+    pub fn set_witness(&self, witness: Witness) -> &Self {
+        *self.state.witness.lock().unwrap() = Some(witness);
+        self
+    }
+
+    /// Applying calls answered so far (the answer may still have found nobody listening).
+    pub fn answered(&self) -> u32 {
+        self.state
+            .answered
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Status queries so far.
+    pub fn status_queries(&self) -> u32 {
+        self.state
+            .status_queries
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// What witnesses rejected.
+    pub fn violations(&self) -> Vec<String> {
+        self.state.violations.lock().unwrap().clone()
+    }
+
+    /// How many requests carried this key (applied, deduplicated or refused).
+    pub fn attempts(&self, key: &str) -> u32 {
+        self.state
+            .attempts
+            .lock()
+            .unwrap()
+            .get(key)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Requests per key.
+    pub fn all_attempts(&self) -> HashMap<String, u32> {
+        self.state.attempts.lock().unwrap().clone()
+    }
+
+    /// Applied executions per key.
+    pub fn all_executions(&self) -> HashMap<String, u32> {
+        self.state.executions.lock().unwrap().clone()
     }
 
     pub fn push(&self, behavior: ToolBehavior) -> &Self {
@@ -361,6 +449,28 @@ fn key_of(headers: &HeaderMap) -> Option<String> {
 }
 
 impl ToolState {
+    /// The honouring tool: a key seen before gets its recorded result, unapplied.
+    fn apply_once(&self, key: &str, body: &Value) -> Value {
+        let applied = self.executions.lock().unwrap().contains_key(key);
+        if applied && let Some(r) = self.results.lock().unwrap().get(key) {
+            return r.clone();
+        }
+        self.apply(key, body)
+    }
+
+    async fn simulate_latency(&self) {
+        let (min, max) = *self.latency_ms.lock().unwrap();
+        if max > 0 {
+            let ms = if max > min {
+                min + rand::random::<u64>() % (max - min + 1)
+            } else {
+                min
+            };
+            // Simulated work, not synchronisation.
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+    }
+
     fn apply(&self, key: &str, body: &Value) -> Value {
         let mut executions = self.executions.lock().unwrap();
         let n = executions.entry(key.to_owned()).or_insert(0);
@@ -379,6 +489,23 @@ async fn tool_call(
     headers: HeaderMap,
     body: String,
 ) -> Response {
+    serve_call(state, headers, body, false).await
+}
+
+async fn tool_call_honouring(
+    State(state): State<Arc<ToolState>>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    serve_call(state, headers, body, true).await
+}
+
+async fn serve_call(
+    state: Arc<ToolState>,
+    headers: HeaderMap,
+    body: String,
+    honouring: bool,
+) -> Response {
     let body: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
     let key = key_of(&headers);
     state.requests.lock().unwrap().push(ToolRequest {
@@ -396,6 +523,27 @@ async fn tool_call(
         )
             .into_response();
     };
+    let attempt = {
+        let mut attempts = state.attempts.lock().unwrap();
+        let n = attempts.entry(key.clone()).or_insert(0);
+        *n += 1;
+        *n
+    };
+    let witness = state.witness.lock().unwrap().clone();
+    if let Some(w) = witness {
+        let call = WitnessCall {
+            run_id: body
+                .get("run_id")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            key: key.clone(),
+            attempt,
+        };
+        if let Err(v) = w(call).await {
+            state.violations.lock().unwrap().push(v);
+        }
+    }
     let behavior = state
         .behaviors
         .lock()
@@ -403,7 +551,18 @@ async fn tool_call(
         .pop_front()
         .unwrap_or(ToolBehavior::Apply);
     match behavior {
-        ToolBehavior::Apply => axum::Json(state.apply(&key, &body)).into_response(),
+        ToolBehavior::Apply => {
+            let result = if honouring {
+                state.apply_once(&key, &body)
+            } else {
+                state.apply(&key, &body)
+            };
+            state.simulate_latency().await;
+            state
+                .answered
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            axum::Json(result).into_response()
+        }
         ToolBehavior::Refuse(status, message) => (
             StatusCode::from_u16(status).unwrap(),
             axum::Json(json!({"error": {"message": message}})),
@@ -426,6 +585,9 @@ async fn tool_call(
 }
 
 async fn tool_status(State(state): State<Arc<ToolState>>, headers: HeaderMap) -> Response {
+    state
+        .status_queries
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let Some(key) = key_of(&headers) else {
         return (StatusCode::BAD_REQUEST, "missing Idempotency-Key").into_response();
     };

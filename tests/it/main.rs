@@ -5,12 +5,19 @@
 
 /// Every route and every error code of the HTTP API.
 mod api;
+/// kill -9 chaos on a real daemon process over a private redis-server (I1–I4).
+mod chaos;
+/// Durability harness: a daemon child process, the event-log oracle, the intent witness.
+mod chaos_support;
 /// The CLI binary against a live daemon.
 mod cli;
 /// Control routes: cancel, approvals, input — idempotency and conflicts.
 mod control;
 /// Daemon harness: `TestDaemon`, the test configuration, HTTP helpers, polling with deadlines.
 mod daemon_support;
+/// Runtime-level durability on Redis: fencing a stale owner, Redis killed and restarted with
+/// or without its data.
+mod durability;
 /// End to end through the HTTP API: the OpenAI provider, HTTP and MCP tools, faults,
 /// approvals, prompt injection, secret canaries and the retry-amplification figure.
 mod e2e;

@@ -125,17 +125,32 @@ where
 }
 
 /// A private `redis-server` on a unix socket in a temp dir, without persistence, so a restart
-/// comes back empty.
+/// comes back empty (or, from `start_persistent`, with an append-only file fsynced on every
+/// write, so a restart — even after SIGKILL — comes back with every acknowledged write).
 pub struct PrivateRedis {
     child: Option<Child>,
     dir: tempfile::TempDir,
+    persistent: bool,
 }
 
 impl PrivateRedis {
     /// Starts the server, or `None` (skip outside CI) when `redis-server` is not installed.
     pub async fn start() -> Option<Self> {
+        Self::start_with(false).await
+    }
+
+    /// Starts a server with `appendonly yes` and `appendfsync always` in its temp dir.
+    pub async fn start_persistent() -> Option<Self> {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(persistent: bool) -> Option<Self> {
         let dir = tempfile::tempdir().unwrap();
-        let mut me = PrivateRedis { child: None, dir };
+        let mut me = PrivateRedis {
+            child: None,
+            dir,
+            persistent,
+        };
         match me.spawn() {
             Ok(()) => {}
             Err(e) => {
@@ -158,10 +173,17 @@ impl PrivateRedis {
     fn spawn(&mut self) -> std::io::Result<()> {
         let sock = self.socket();
         let _ = std::fs::remove_file(&sock);
+        let persistence: &[&str] = if self.persistent {
+            &["--appendonly", "yes", "--appendfsync", "always"]
+        } else {
+            &["--appendonly", "no"]
+        };
         let child = Command::new("redis-server")
             .args(["--port", "0", "--unixsocket"])
             .arg(&sock)
-            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .args(["--save", ""])
+            .args(persistence)
+            .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -191,7 +213,8 @@ impl PrivateRedis {
         }
     }
 
-    /// Starts a fresh (empty) server on the same socket.
+    /// Starts the server again on the same socket and data dir: empty, or (persistent) with
+    /// its data.
     pub async fn restart(&mut self) {
         self.kill();
         self.spawn().unwrap();
