@@ -503,7 +503,9 @@ fn dispatch(
             if phase == Some(Phase::ExecutingTools) && epoch == s.epoch =>
         {
             let effects = advance_batch(s, cx);
-            Ok(out("tool_retry", json!({}), effects))
+            let mut t = out("tool_retry", json!({}), effects);
+            add_dispatched(s, &mut t);
+            Ok(t)
         }
         (
             Status::Running,
@@ -545,11 +547,13 @@ fn dispatch(
                 }
             }
             let effects = advance_batch(s, cx);
-            Ok(out(
+            let mut t = out(
                 "call_reconciled",
                 json!({ "call_id": call_id, "found": found }),
                 effects,
-            ))
+            );
+            add_dispatched(s, &mut t);
+            Ok(t)
         }
         (Status::Running, E::VerificationDone { epoch, verdict })
             if phase == Some(Phase::Verifying) && epoch == s.epoch =>

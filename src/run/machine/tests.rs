@@ -472,6 +472,7 @@ fn overloaded_tool_calls_are_rescheduled() {
     let t = go(&mut s, RunEvent::RetryDue { epoch });
     assert_eq!(t.kind, "tool_retry");
     assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    assert_eq!(t.data["dispatched"][0]["key"], json!(s.calls[0].key));
 }
 
 #[test]
@@ -495,6 +496,8 @@ fn status_checks_resolve_reconciliation() {
         );
         assert_eq!(t.kind, "call_reconciled");
         assert_eq!(t.data["found"], json!(expect));
+        // Every send is listed with its key in the event that committed it.
+        assert_eq!(t.data.get("dispatched").is_some(), expect == "never_ran");
         match expect {
             "ran" => assert!(has_call_model(&t, ToolChoice::Auto)),
             "never_ran" => assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }])),
