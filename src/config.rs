@@ -444,6 +444,9 @@ pub struct RuntimeSection {
     /// How long a control request waits for the run to apply it.
     #[serde(with = "crate::config_duration")]
     pub control_timeout: Duration,
+    /// A run waiting for approval or input this long gives up its actor; "0s" = never.
+    #[serde(with = "crate::config_duration")]
+    pub passivate_after: Duration,
     pub restart: RestartSection,
     pub max_corrections: u32,
     pub max_model_retries: u32,
@@ -475,6 +478,7 @@ impl Default for RuntimeSection {
             tool_queue: r.tool_pool.queue,
             lease_ttl: r.lease_ttl,
             control_timeout: r.control_timeout,
+            passivate_after: r.passivate_after.unwrap_or_default(),
             restart: RestartSection {
                 max_restarts: r.restart.max_restarts,
                 window: r.restart.window,
@@ -1129,6 +1133,7 @@ impl Config {
             },
             lease_ttl: r.lease_ttl,
             control_timeout: r.control_timeout,
+            passivate_after: (!r.passivate_after.is_zero()).then_some(r.passivate_after),
             max_active_runs_per_tenant: match self.limits.max_active_runs_per_tenant {
                 0 => None,
                 n => Some(n),

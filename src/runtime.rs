@@ -52,6 +52,9 @@ pub struct RuntimeConfig {
     pub max_active_runs_per_tenant: Option<usize>,
     /// Largest goal (`input`) accepted, in bytes of JSON.
     pub max_input_bytes: usize,
+    /// A run waiting for approval or input this long gives up its actor (its state stays in
+    /// the store) and is rehydrated by its next message. `None`: never.
+    pub passivate_after: Option<Duration>,
 }
 
 impl Default for RuntimeConfig {
@@ -71,6 +74,7 @@ impl Default for RuntimeConfig {
             control_timeout: Duration::from_secs(10),
             max_active_runs_per_tenant: None,
             max_input_bytes: 256 * 1024,
+            passivate_after: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -265,6 +269,7 @@ impl Runtime {
             lease_ttl: config.lease_ttl,
             faults: parts.faults,
             metrics,
+            passivate_after: config.passivate_after,
             active: DashMap::new(),
             redactor: parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none())),
         });

@@ -52,6 +52,9 @@ pub enum RunMsg {
     Get(RpcReplyPort<RunState>),
     /// After a failed commit: read the checkpoint back and continue from it.
     Reload,
+    /// The run has been waiting (approval or input) since `version`: if nothing changed, stop
+    /// the actor; the run stays in the store and is rehydrated by its next message.
+    Passivate { version: u64 },
 }
 
 /// The answer to a control message: the state after it, or why it did not apply.
@@ -66,6 +69,28 @@ pub enum Boot {
     Recover,
     /// Fail the run from its checkpoint (e.g. `crash_loop`).
     Abort { code: String, message: String },
+    /// Bring a passivated run back for a message or a timer: a waiting run continues as it
+    /// was (no `Resume`: nothing was in flight); any other run resumes.
+    Rehydrate,
+}
+
+/// The stop reason of a passivated run: `passivated:<wake_at_ms>` (0 = no timer due), so the
+/// supervisor can bring it back when its deadline or an approval expiry falls due.
+pub const PASSIVATED: &str = "passivated";
+
+/// Encodes a passivation stop reason.
+pub fn passivated_reason(wake_at_ms: Option<u64>) -> String {
+    format!("{PASSIVATED}:{}", wake_at_ms.unwrap_or(0))
+}
+
+/// Decodes a stop reason: `Some(wake_at)` if the run was passivated.
+pub fn parse_passivated(reason: &str) -> Option<Option<u64>> {
+    let at = reason
+        .strip_prefix(PASSIVATED)?
+        .strip_prefix(':')?
+        .parse::<u64>()
+        .ok()?;
+    Some((at > 0).then_some(at))
 }
 
 /// Deliberate faults for chaos and supervision tests.
@@ -87,6 +112,8 @@ pub struct RunDeps {
     pub lease_ttl: Duration,
     pub faults: Option<Arc<dyn FaultInjector>>,
     pub metrics: Arc<Metrics>,
+    /// Stop the actor of a run that has waited for approval or input this long (`None`: never).
+    pub passivate_after: Option<Duration>,
     /// Non-terminal runs per tenant (for the per-tenant limit); a run leaves it when it ends.
     pub active: dashmap::DashMap<String, std::sync::atomic::AtomicI64>,
     /// Applied to event data before commit and to tool results before they enter the run.
@@ -316,12 +343,25 @@ impl Actor for RunActor {
                     .abort_handle(),
             );
         }
+        let waiting = matches!(
+            live.run.status,
+            super::state::Status::WaitingApproval | super::state::Status::WaitingInput
+        );
         let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
-            Boot::Start => RunEvent::Start,
-            Boot::Recover => RunEvent::Resume,
-            Boot::Abort { code, message } => RunEvent::Abort { code, message },
+            Boot::Start => Some(RunEvent::Start),
+            Boot::Recover => Some(RunEvent::Resume),
+            Boot::Rehydrate if waiting => None,
+            Boot::Rehydrate => Some(RunEvent::Resume),
+            Boot::Abort { code, message } => Some(RunEvent::Abort { code, message }),
         };
-        deliver(&myself, &deps, &mut live, RunMsg::Event(boot)).await?;
+        match boot {
+            Some(event) => deliver(&myself, &deps, &mut live, RunMsg::Event(event)).await?,
+            None => {
+                // Rehydrated while waiting: re-arm its timers and let it passivate again.
+                arm_approval_timers(&myself, &mut live, now_ms());
+                schedule_passivation(&myself, &deps, &live);
+            }
+        }
         // Control messages stored but not yet applied (e.g. sent while the run was down).
         if !live.run.is_terminal() {
             let after = live.run.controls_applied;
@@ -437,6 +477,7 @@ async fn deliver(
         RunMsg::Get(reply) => {
             let _ = reply.send(live.run.clone());
         }
+        RunMsg::Passivate { version } => passivate(myself, live, version),
         RunMsg::Reload => reload(myself, deps, live).await?,
         RunMsg::Event(event) => {
             let copy = event.clone();
@@ -487,6 +528,54 @@ async fn deliver(
         }
     }
     Ok(())
+}
+
+/// After a transition that leaves the run waiting for an operator, schedules its passivation.
+fn schedule_passivation(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &Live) {
+    let Some(after) = deps.passivate_after else {
+        return;
+    };
+    if is_idle_waiting(live) {
+        let version = live.run.version;
+        myself.send_after(after, move || RunMsg::Passivate { version });
+    }
+}
+
+fn is_idle_waiting(live: &Live) -> bool {
+    matches!(
+        live.run.status,
+        super::state::Status::WaitingApproval | super::state::Status::WaitingInput
+    ) && live.tools_in_flight == 0
+        && !live.reloading
+        && !live.finishing
+}
+
+/// Stops the actor of a run that is still waiting, unchanged since `version`. Its checkpoint
+/// holds everything; the supervisor wakes it for its next control message, or when its
+/// deadline or an approval expiry falls due.
+fn passivate(myself: &ActorRef<RunMsg>, live: &Live, version: u64) {
+    if live.run.version != version || !is_idle_waiting(live) {
+        return;
+    }
+    let approval_due = live
+        .run
+        .calls
+        .iter()
+        .filter(|c| c.status == super::state::CallStatus::AwaitingApproval)
+        .filter_map(|c| {
+            let after = live.agent.tools.tool(&c.tool)?.spec().approval_timeout?;
+            Some(
+                c.awaiting_since_ms?
+                    .saturating_add(after.as_millis() as u64),
+            )
+        })
+        .min();
+    let wake_at = match (live.run.budget.deadline_ms, approval_due) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    tracing::debug!(run = %live.run.id, ?wake_at, "passivating a waiting run");
+    myself.stop(Some(passivated_reason(wake_at)));
 }
 
 /// A commit failed: keep `msg`, stop taking new work, and read the checkpoint back later.
@@ -633,6 +722,7 @@ async fn apply(
     for effect in transition.effects {
         execute(myself, deps, live, effect);
     }
+    schedule_passivation(myself, deps, live);
     arm_approval_timers(myself, live, now);
     Ok(Applied::Done)
 }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use serde::{Deserialize, Serialize};
 
-use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg};
+use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg, parse_passivated};
 use crate::ids::RunId;
 use crate::store::Control;
 
@@ -236,9 +236,10 @@ impl Actor for RunSupervisor {
                     }
                     Some(entry) => entry.pending.push(msg),
                     None => {
-                        // Not live here (e.g. waiting since before a daemon restart): adopt it.
+                        // Not live here (passivated while waiting, or waiting since before a
+                        // daemon restart): bring it back from its checkpoint.
                         st.runs.entry(id.clone()).or_default().pending.push(msg);
-                        st.spawn(&myself, id, Boot::Recover).await;
+                        st.spawn(&myself, id, Boot::Rehydrate).await;
                     }
                 }
             }
@@ -265,7 +266,21 @@ impl Actor for RunSupervisor {
                         .is_some_and(|a| a.get_id() == cell.get_id());
                     if still_this_actor {
                         let pending = st.runs.remove(&id).map(|e| e.pending).unwrap_or_default();
-                        if !pending.is_empty() {
+                        let passivated = reason.as_deref().and_then(parse_passivated);
+                        if !pending.is_empty() && passivated.is_some() {
+                            // Mail arrived while it was stopping: bring it straight back.
+                            st.runs.entry(id.clone()).or_default().pending = pending;
+                            st.spawn(&myself, id, Boot::Rehydrate).await;
+                        } else if let Some(Some(wake_at)) = passivated {
+                            // Its deadline or an approval expiry will need it.
+                            let wait = Duration::from_millis(
+                                wake_at.saturating_sub(crate::clock::now_ms()),
+                            );
+                            myself.send_after(wait, move || SupervisorMsg::Start {
+                                id,
+                                boot: Boot::Rehydrate,
+                            });
+                        } else if !pending.is_empty() {
                             tracing::debug!(run = %id, ?reason, n = pending.len(), "run stopped with messages pending");
                         }
                     }

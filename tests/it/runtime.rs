@@ -625,3 +625,62 @@ async fn ten_thousand_concurrent_runs_all_succeed() {
     assert_eq!(succeeded, n);
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_run_gives_up_its_actor_and_is_rehydrated_by_its_next_message() {
+    let model = ScriptedModel::from_fn("m", |req| {
+        Ok(match turn_of(req) {
+            1 => calls(&[("ask_user", json!({"question": "which color?"}))]),
+            _ => text(&format!(
+                "you said {}",
+                last_tool_result(req).unwrap()["data"]["answer"]
+                    .as_str()
+                    .unwrap()
+            )),
+        })
+    });
+    let mut b = Builder::new().model(model).agent(AgentSpec::new("a", "m"));
+    b.config.passivate_after = Some(Duration::from_millis(50));
+    let h = b.start().await;
+    let id = h.start_run("a", "pick a color").await;
+    h.handle
+        .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+        .await
+        .unwrap();
+    // Poll (bounded) until the supervisor no longer holds an actor for it.
+    let deadline = std::time::Instant::now() + WAIT;
+    while h.handle.live_runs().await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiting run was never passivated"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(h.handle.metrics().live_runs.load(Ordering::Relaxed), 0);
+    // Its next message brings it back, exactly where it was.
+    let run = h.handle.input(TENANT, &id, "blue".into()).await.unwrap();
+    assert_eq!(run.status, Status::Running);
+    let run = h.finish(&id).await;
+    assert_eq!(run.output, Some(json!("you said blue")));
+    assert_eq!(run.restarts, 0, "rehydration is not a restart");
+    let kinds = check_log(&h, &id).await;
+    assert!(!kinds.contains(&"run_resumed".to_owned()), "{kinds:?}");
+    // A cancel also reaches a passivated run.
+    let id = h.start_run("a", "again").await;
+    h.handle
+        .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+        .await
+        .unwrap();
+    while h.handle.live_runs().await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline + WAIT,
+            "never passivated"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        h.handle.cancel(TENANT, &id, None).await.unwrap().status,
+        Status::Cancelled
+    );
+    h.shutdown().await;
+}
