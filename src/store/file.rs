@@ -1,10 +1,20 @@
 //! `FileStore`: the embedded single-machine store on redb (one file, `<dir>/agentd.redb`), the
-//! default when no Redis URL is given. Every operation is one redb transaction run on the
-//! blocking pool; redb's single serializable writer makes the version CAS plain code.
+//! default when no Redis URL is given. Reads are one redb read transaction each, on the blocking
+//! pool. Writes (create, commit, claim, release, push_control) go through a bounded queue to ONE
+//! writer thread that group-commits: it takes everything queued (up to `max_batch`), applies each
+//! write's checks and then its writes in order inside one redb write transaction, commits that
+//! transaction once (one fsync, `Durability::Immediate`), and only then answers each caller.
+//!
+//! Each write in a batch is checked completely before any of its data is written, so a rejected
+//! write (conflict, fence, gap, …) is that caller's error only and leaves nothing behind; later
+//! writes in the batch see the earlier ones, exactly as if they had run one after another. A
+//! storage failure (any redb error) aborts the whole transaction and every caller in the batch
+//! gets `Unavailable`: nothing of the batch was applied.
 //!
 //! Lease tokens and fences are durable (tokens never go back, even across restarts); lease
-//! liveness (owner + expiry) is kept in memory on the monotonic clock, because the database
-//! file is locked by one process, so leases of a previous process are void by construction.
+//! liveness (owner + expiry) is kept in memory by the writer thread, on the monotonic clock,
+//! because the database file is locked by one process, so leases of a previous process are void
+//! by construction. Liveness changes take effect only once their transaction is committed.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,10 +23,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redb::{
-    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table, TableDefinition,
     WriteTransaction,
 };
 use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
@@ -45,6 +56,35 @@ const CLIENT_KEYS: TableDefinition<(&str, &str), &str> = TableDefinition::new("c
 /// Store metadata (`epoch`).
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
 
+/// How long dropping the store waits for the writer thread to finish its last batch and close
+/// the file.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+
+/// Tuning of the group committer.
+#[derive(Debug, Clone)]
+pub struct FileConfig {
+    /// Writes that may wait for the writer thread.
+    pub queue_capacity: usize,
+    /// Most writes applied in one transaction.
+    pub max_batch: usize,
+    /// How long a write waits for room in a full queue before `Unavailable`.
+    pub queue_wait: Duration,
+    /// How long a queued write waits for its answer before `Unavailable` (it may or may not
+    /// have been applied then).
+    pub reply_wait: Duration,
+}
+
+impl Default for FileConfig {
+    fn default() -> Self {
+        FileConfig {
+            queue_capacity: 4096,
+            max_batch: 256,
+            queue_wait: Duration::from_secs(5),
+            reply_wait: Duration::from_secs(30),
+        }
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct StoredControl {
     at_ms: u64,
@@ -58,10 +98,35 @@ struct LiveLease {
     expires: Instant,
 }
 
+/// Waits (bounded) in `drop` until the writer thread has ended, so the database file is closed
+/// when the store is gone and can be opened again at once.
+struct WriterExit {
+    /// Disconnects when the writer thread ends.
+    done: Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Drop for WriterExit {
+    fn drop(&mut self) {
+        let done = self
+            .done
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = done.recv_timeout(SHUTDOWN_WAIT) {
+            tracing::warn!(
+                "file store: the writer thread did not end within {SHUTDOWN_WAIT:?} of closing"
+            );
+        }
+    }
+}
+
+// Field order matters: dropping `queue` first ends the writer thread once it has drained the
+// queue; `writer` (last) then waits for it.
 struct Inner {
-    db: Database,
-    leases: Mutex<HashMap<RunId, LiveLease>>,
+    queue: mpsc::Sender<Job>,
+    db: Arc<Database>,
     path: PathBuf,
+    cfg: FileConfig,
+    _writer: WriterExit,
 }
 
 /// The redb [`CheckpointStore`] + [`EventLog`].
@@ -102,58 +167,436 @@ fn last_seq<T: ReadableTable<(&'static str, u64), &'static str>>(
     }
 }
 
-fn check_seq(run: &RunId, last: u64, events: &[EventRecord]) -> Result<()> {
-    for (i, e) in events.iter().enumerate() {
-        if e.seq != last + 1 + i as u64 {
+fn check_seq(run: &RunId, last: u64, seqs: impl IntoIterator<Item = u64>) -> Result<()> {
+    for (i, seq) in seqs.into_iter().enumerate() {
+        if seq != last + 1 + i as u64 {
             return Err(Error::SequenceGap {
                 run: run.clone(),
-                seq: e.seq,
+                seq,
             });
         }
     }
     Ok(())
 }
 
-fn append_events(txn: &WriteTransaction, run: &RunId, events: &[EventRecord]) -> Result<()> {
-    let mut t = txn
-        .open_table(EVENTS)
-        .map_err(|e| db_err("opening events", e))?;
-    for e in events {
-        let json = serde_json::to_string(e).map_err(|err| corrupt(run, "encoding event", err))?;
-        t.insert((run.as_str(), e.seq), json.as_str())
-            .map_err(|err| db_err("appending an event", err))?;
-    }
-    Ok(())
-}
-
-fn set_active(txn: &WriteTransaction, c: &Checkpoint) -> Result<()> {
-    let mut t = txn
-        .open_table(ACTIVE)
-        .map_err(|e| db_err("opening the active index", e))?;
-    if c.terminal {
-        t.remove(c.run_id.as_str())
-            .map_err(|e| db_err("updating the active index", e))?;
-    } else {
-        t.insert(c.run_id.as_str(), ())
-            .map_err(|e| db_err("updating the active index", e))?;
-    }
-    Ok(())
+/// Events as (seq, JSON), encoded by the caller so the writer only checks and writes.
+fn encode_events(run: &RunId, events: &[EventRecord]) -> Result<Vec<(u64, String)>> {
+    events
+        .iter()
+        .map(|e| {
+            serde_json::to_string(e)
+                .map(|json| (e.seq, json))
+                .map_err(|err| corrupt(run, "encoding event", err))
+        })
+        .collect()
 }
 
 fn decode(run: &RunId, json: &str) -> Result<Checkpoint> {
     serde_json::from_str(json).map_err(|e| corrupt(run, "decoding checkpoint", e))
 }
 
+// ---------------------------------------------------------------------------------------------
+// The writer: jobs, their application inside a shared transaction, and the thread.
+
+struct CreateJob {
+    run: RunId,
+    tenant: String,
+    terminal: bool,
+    json: String,
+    events: Vec<(u64, String)>,
+    key: Option<String>,
+}
+
+struct CommitJob {
+    run: RunId,
+    token: u64,
+    expected: u64,
+    terminal: bool,
+    json: String,
+    events: Vec<(u64, String)>,
+}
+
+struct ClaimJob {
+    run: RunId,
+    owner: String,
+    ttl: Duration,
+}
+
+struct PushControlJob {
+    run: RunId,
+    json: String,
+}
+
+/// A caller's answer channel and, once its write has been applied in the open transaction, the
+/// answer to send if that transaction commits.
+struct Reply<T> {
+    tx: oneshot::Sender<Result<T>>,
+    out: Option<Result<T>>,
+}
+
+impl<T> Reply<T> {
+    fn new(tx: oneshot::Sender<Result<T>>) -> Self {
+        Reply { tx, out: None }
+    }
+
+    /// Records the outcome of applying the write. An `Unavailable` (a storage failure, possibly
+    /// after part of this write) is not recorded but returned: it aborts the whole batch.
+    fn settle(&mut self, r: Result<T>) -> Result<()> {
+        match r {
+            Err(e @ Error::Unavailable(_)) => Err(e),
+            r => {
+                self.out = Some(r);
+                Ok(())
+            }
+        }
+    }
+
+    fn send(self) {
+        let out = self.out.unwrap_or_else(|| {
+            Err(Error::Unavailable(
+                "file store: write was not applied".to_owned(),
+            ))
+        });
+        // The caller may have given up waiting; the outcome stands either way.
+        let _ = self.tx.send(out);
+    }
+
+    fn fail(self, e: &Error) {
+        let _ = self.tx.send(Err(e.clone()));
+    }
+}
+
+enum Job {
+    Create(CreateJob, Reply<CreateOutcome>),
+    Commit(CommitJob, Reply<()>),
+    Claim(ClaimJob, Reply<Lease>),
+    Release(Lease, Reply<()>),
+    PushControl(PushControlJob, Reply<u64>),
+}
+
+impl Job {
+    fn apply(&mut self, t: &mut Tables<'_>, leases: &mut Leases<'_>) -> Result<()> {
+        match self {
+            Job::Create(j, r) => r.settle(t.create(j)),
+            Job::Commit(j, r) => r.settle(t.commit(j)),
+            Job::Claim(j, r) => r.settle(t.claim(j, leases)),
+            Job::Release(l, r) => r.settle(t.release(l, leases)),
+            Job::PushControl(j, r) => r.settle(t.push_control(j)),
+        }
+    }
+
+    fn send(self) {
+        match self {
+            Job::Create(_, r) => r.send(),
+            Job::Commit(_, r) => r.send(),
+            Job::Claim(_, r) => r.send(),
+            Job::Release(_, r) => r.send(),
+            Job::PushControl(_, r) => r.send(),
+        }
+    }
+
+    fn fail(self, e: &Error) {
+        match self {
+            Job::Create(_, r) => r.fail(e),
+            Job::Commit(_, r) => r.fail(e),
+            Job::Claim(_, r) => r.fail(e),
+            Job::Release(_, r) => r.fail(e),
+            Job::PushControl(_, r) => r.fail(e),
+        }
+    }
+}
+
+/// Lease liveness as the open transaction sees it: the committed map plus this batch's changes
+/// (`None` = released), which are merged only once the transaction has committed.
+struct Leases<'a> {
+    committed: &'a HashMap<RunId, LiveLease>,
+    pending: HashMap<RunId, Option<LiveLease>>,
+}
+
+impl Leases<'_> {
+    fn get(&self, run: &RunId) -> Option<&LiveLease> {
+        match self.pending.get(run) {
+            Some(l) => l.as_ref(),
+            None => self.committed.get(run),
+        }
+    }
+}
+
+/// Every table, opened once per batch.
+struct Tables<'t> {
+    runs: Table<'t, &'static str, &'static str>,
+    events: Table<'t, (&'static str, u64), &'static str>,
+    controls: Table<'t, (&'static str, u64), &'static str>,
+    tokens: Table<'t, &'static str, (u64, u64)>,
+    active: Table<'t, &'static str, ()>,
+    tenant_runs: Table<'t, (&'static str, &'static str), ()>,
+    client_keys: Table<'t, (&'static str, &'static str), &'static str>,
+}
+
+const W: &str = "writing";
+
+fn w(e: impl std::fmt::Display) -> Error {
+    db_err(W, e)
+}
+
+impl<'t> Tables<'t> {
+    fn open(txn: &'t WriteTransaction) -> Result<Self> {
+        let o = |e: redb::TableError| db_err("opening tables", e);
+        Ok(Tables {
+            runs: txn.open_table(RUNS).map_err(o)?,
+            events: txn.open_table(EVENTS).map_err(o)?,
+            controls: txn.open_table(CONTROLS).map_err(o)?,
+            tokens: txn.open_table(TOKENS).map_err(o)?,
+            active: txn.open_table(ACTIVE).map_err(o)?,
+            tenant_runs: txn.open_table(TENANT_RUNS).map_err(o)?,
+            client_keys: txn.open_table(CLIENT_KEYS).map_err(o)?,
+        })
+    }
+
+    fn stored(&self, run: &RunId) -> Result<Option<String>> {
+        Ok(self
+            .runs
+            .get(run.as_str())
+            .map_err(w)?
+            .map(|v| v.value().to_owned()))
+    }
+
+    fn append_events(&mut self, run: &RunId, events: &[(u64, String)]) -> Result<()> {
+        for (seq, json) in events {
+            self.events
+                .insert((run.as_str(), *seq), json.as_str())
+                .map_err(w)?;
+        }
+        Ok(())
+    }
+
+    fn set_active(&mut self, run: &RunId, terminal: bool) -> Result<()> {
+        if terminal {
+            self.active.remove(run.as_str()).map_err(w)?;
+        } else {
+            self.active.insert(run.as_str(), ()).map_err(w)?;
+        }
+        Ok(())
+    }
+
+    fn create(&mut self, j: &CreateJob) -> Result<CreateOutcome> {
+        let run = &j.run;
+        // Checks first: a rejected create writes nothing (and does not use up its key).
+        if let Some(k) = &j.key {
+            let existing = self
+                .client_keys
+                .get((j.tenant.as_str(), k.as_str()))
+                .map_err(w)?
+                .map(|v| v.value().to_owned());
+            if let Some(id) = existing {
+                let id = id
+                    .parse()
+                    .map_err(|e| corrupt(run, "client key maps to a bad run id", e))?;
+                return Ok(CreateOutcome::Existing(id));
+            }
+        }
+        if let Some(found) = self.stored(run)? {
+            if found == j.json {
+                // A retry of an applied create (reply lost).
+                return Ok(CreateOutcome::Created);
+            }
+            return Err(Error::VersionConflict {
+                run: run.clone(),
+                expected: 0,
+                found: decode(run, &found)?.version,
+            });
+        }
+        if let Some(k) = &j.key {
+            self.client_keys
+                .insert((j.tenant.as_str(), k.as_str()), run.as_str())
+                .map_err(w)?;
+        }
+        self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
+        self.tenant_runs
+            .insert((j.tenant.as_str(), run.as_str()), ())
+            .map_err(w)?;
+        self.append_events(run, &j.events)?;
+        self.set_active(run, j.terminal)?;
+        Ok(CreateOutcome::Created)
+    }
+
+    fn commit(&mut self, j: &CommitJob) -> Result<()> {
+        let run = &j.run;
+        // Checks first: a rejected commit writes nothing.
+        let stored = self
+            .stored(run)?
+            .ok_or_else(|| Error::NotFound(run.clone()))?;
+        let fence = self
+            .tokens
+            .get(run.as_str())
+            .map_err(w)?
+            .map_or(0, |v| v.value().0);
+        if fence == 0 || fence != j.token {
+            return Err(Error::Fenced {
+                run: run.clone(),
+                token: j.token,
+            });
+        }
+        let last = last_seq(&self.events, run)?;
+        let found = decode(run, &stored)?.version;
+        if found != j.expected {
+            let replay = stored == j.json && j.events.last().is_none_or(|(seq, _)| *seq == last);
+            if replay {
+                return Ok(());
+            }
+            return Err(Error::VersionConflict {
+                run: run.clone(),
+                expected: j.expected,
+                found,
+            });
+        }
+        check_seq(run, last, j.events.iter().map(|(seq, _)| *seq))?;
+        self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
+        self.append_events(run, &j.events)?;
+        self.set_active(run, j.terminal)?;
+        Ok(())
+    }
+
+    fn claim(&mut self, j: &ClaimJob, leases: &mut Leases<'_>) -> Result<Lease> {
+        let run = &j.run;
+        let now = Instant::now();
+        if let Some(l) = leases.get(run) {
+            // The same owner claiming again is a new incarnation: it gets a new token too.
+            if l.owner != j.owner && l.expires > now {
+                return Err(Error::LeaseHeld {
+                    run: run.clone(),
+                    owner: l.owner.clone(),
+                });
+            }
+        }
+        if self.runs.get(run.as_str()).map_err(w)?.is_none() {
+            return Err(Error::NotFound(run.clone()));
+        }
+        let last = self
+            .tokens
+            .get(run.as_str())
+            .map_err(w)?
+            .map_or(0, |v| v.value().1);
+        let token = last + 1;
+        self.tokens
+            .insert(run.as_str(), (token, token))
+            .map_err(w)?;
+        leases.pending.insert(
+            run.clone(),
+            Some(LiveLease {
+                owner: j.owner.clone(),
+                token,
+                expires: now + j.ttl,
+            }),
+        );
+        Ok(Lease {
+            run_id: run.clone(),
+            owner: j.owner.clone(),
+            token,
+        })
+    }
+
+    fn release(&mut self, lease: &Lease, leases: &mut Leases<'_>) -> Result<()> {
+        let run = &lease.run_id;
+        let cur = self.tokens.get(run.as_str()).map_err(w)?.map(|v| v.value());
+        match cur {
+            Some((fence, last)) if fence == lease.token => {
+                self.tokens.insert(run.as_str(), (0, last)).map_err(w)?;
+            }
+            _ => return Ok(()),
+        }
+        if leases.get(run).is_some_and(|l| l.token == lease.token) {
+            leases.pending.insert(run.clone(), None);
+        }
+        Ok(())
+    }
+
+    fn push_control(&mut self, j: &PushControlJob) -> Result<u64> {
+        let run = &j.run;
+        if self.runs.get(run.as_str()).map_err(w)?.is_none() {
+            return Err(Error::NotFound(run.clone()));
+        }
+        let seq = last_seq(&self.controls, run)? + 1;
+        self.controls
+            .insert((run.as_str(), seq), j.json.as_str())
+            .map_err(w)?;
+        Ok(seq)
+    }
+}
+
+/// The writer thread's state: the database and the committed lease liveness map (only the
+/// writer reads or changes it, so it needs no lock).
+struct Writer {
+    db: Arc<Database>,
+    leases: HashMap<RunId, LiveLease>,
+}
+
+impl Writer {
+    /// Drains the queue batch by batch until every sender (the store) is gone.
+    fn run(mut self, mut rx: mpsc::Receiver<Job>, max_batch: usize) {
+        let max_batch = max_batch.max(1);
+        let mut batch = Vec::with_capacity(max_batch);
+        while let Some(first) = rx.blocking_recv() {
+            batch.push(first);
+            while batch.len() < max_batch {
+                match rx.try_recv() {
+                    Ok(job) => batch.push(job),
+                    Err(_) => break,
+                }
+            }
+            let n = batch.len();
+            match self.apply(&mut batch) {
+                Ok(()) => batch.drain(..).for_each(Job::send),
+                Err(e) => {
+                    tracing::warn!(writes = n, error = %e, "file store: batch not committed");
+                    batch.drain(..).for_each(|j| j.fail(&e));
+                }
+            }
+        }
+    }
+
+    /// Applies the batch in one transaction and commits it. On error nothing of the batch is
+    /// stored (the transaction is dropped, i.e. aborted) and the lease map is unchanged.
+    fn apply(&mut self, batch: &mut [Job]) -> Result<()> {
+        let what = format!("committing a batch of {} writes", batch.len());
+        let txn = self.db.begin_write().map_err(|e| db_err(&what, e))?;
+        let mut leases = Leases {
+            committed: &self.leases,
+            pending: HashMap::new(),
+        };
+        {
+            let mut tables = Tables::open(&txn)?;
+            for job in batch.iter_mut() {
+                job.apply(&mut tables, &mut leases)?;
+            }
+        }
+        let pending = leases.pending;
+        txn.commit().map_err(|e| db_err(&what, e))?;
+        for (run, l) in pending {
+            match l {
+                Some(l) => self.leases.insert(run, l),
+                None => self.leases.remove(&run),
+            };
+        }
+        Ok(())
+    }
+}
+
 impl FileStore {
     /// Opens (or creates) `<dir>/agentd.redb`, creating `dir` if needed.
     pub async fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(dir, FileConfig::default()).await
+    }
+
+    /// [`FileStore::open`] with explicit group-commit tuning.
+    pub async fn open_with(dir: impl AsRef<Path>, cfg: FileConfig) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        tokio::task::spawn_blocking(move || Self::open_blocking(&dir))
+        tokio::task::spawn_blocking(move || Self::open_blocking(&dir, cfg))
             .await
             .map_err(|e| db_err("opening", e))?
     }
 
-    fn open_blocking(dir: &Path) -> Result<Self> {
+    fn open_blocking(dir: &Path, cfg: FileConfig) -> Result<Self> {
         std::fs::create_dir_all(dir)
             .map_err(|e| db_err(&format!("creating {}", dir.display()), e))?;
         let path = dir.join(FILE_NAME);
@@ -181,11 +624,32 @@ impl FileStore {
             }
         }
         txn.commit().map_err(|e| db_err("initialising", e))?;
+
+        let db = Arc::new(db);
+        let (queue, rx) = mpsc::channel(cfg.queue_capacity.max(1));
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let writer = Writer {
+            db: db.clone(),
+            leases: HashMap::new(),
+        };
+        let max_batch = cfg.max_batch;
+        std::thread::Builder::new()
+            .name("agentd-file-writer".to_owned())
+            .spawn(move || {
+                // Dropped when the thread ends, also by a panic: that wakes `WriterExit`.
+                let _done = done_tx;
+                writer.run(rx, max_batch);
+            })
+            .map_err(|e| db_err("starting the writer thread", e))?;
         Ok(FileStore {
             inner: Arc::new(Inner {
+                queue,
                 db,
-                leases: Mutex::new(HashMap::new()),
                 path,
+                cfg,
+                _writer: WriterExit {
+                    done: Mutex::new(done_rx),
+                },
             }),
         })
     }
@@ -205,14 +669,42 @@ impl FileStore {
             .await
             .map_err(|e| db_err("worker task", e))?
     }
-}
 
-impl Inner {
-    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, LiveLease>> {
-        // A poisoned map only means a panic elsewhere mid-update of a plain map; keep going.
-        self.leases
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// Queues one write for the writer thread and waits (bounded) for its outcome.
+    async fn write<T>(
+        &self,
+        what: impl FnOnce() -> String,
+        job: impl FnOnce(Reply<T>) -> Job,
+    ) -> Result<T> {
+        let cfg = &self.inner.cfg;
+        let (tx, rx) = oneshot::channel();
+        if let Err(e) = self
+            .inner
+            .queue
+            .send_timeout(job(Reply::new(tx)), cfg.queue_wait)
+            .await
+        {
+            let why = match e {
+                mpsc::error::SendTimeoutError::Timeout(_) => {
+                    format!("write queue full for {:?}", cfg.queue_wait)
+                }
+                mpsc::error::SendTimeoutError::Closed(_) => "writer stopped".to_owned(),
+            };
+            // Not queued, so certainly not applied.
+            return Err(Error::Unavailable(format!("file store: {}: {why}", what())));
+        }
+        match tokio::time::timeout(cfg.reply_wait, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::Unavailable(format!(
+                "file store: {}: writer stopped",
+                what()
+            ))),
+            Err(_) => Err(Error::Unavailable(format!(
+                "file store: {}: no answer within {:?}",
+                what(),
+                cfg.reply_wait
+            ))),
+        }
     }
 }
 
@@ -224,61 +716,19 @@ impl CheckpointStore for FileStore {
         events: &[EventRecord],
         client_key: Option<&str>,
     ) -> Result<CreateOutcome> {
-        let c = checkpoint.clone();
-        let events = events.to_vec();
-        let key = client_key.map(str::to_owned);
-        self.blocking(move |inner| {
-            let run = &c.run_id;
-            check_seq(run, 0, &events)?;
-            let json =
-                serde_json::to_string(&c).map_err(|e| corrupt(run, "encoding checkpoint", e))?;
-            let what = format!("creating run {run}");
-            let txn = inner.db.begin_write().map_err(|e| db_err(&what, e))?;
-            {
-                let mut keys = txn.open_table(CLIENT_KEYS).map_err(|e| db_err(&what, e))?;
-                if let Some(k) = &key {
-                    let existing = keys
-                        .get((c.tenant.as_str(), k.as_str()))
-                        .map_err(|e| db_err(&what, e))?
-                        .map(|v| v.value().to_owned());
-                    if let Some(id) = existing {
-                        let id = id
-                            .parse()
-                            .map_err(|e| corrupt(run, "client key maps to a bad run id", e))?;
-                        return Ok(CreateOutcome::Existing(id));
-                    }
-                    keys.insert((c.tenant.as_str(), k.as_str()), run.as_str())
-                        .map_err(|e| db_err(&what, e))?;
-                }
-                let mut runs = txn.open_table(RUNS).map_err(|e| db_err(&what, e))?;
-                let found = runs
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .map(|v| v.value().to_owned());
-                if let Some(found) = found {
-                    if found == json {
-                        // A retry of an applied create (reply lost).
-                        return Ok(CreateOutcome::Created);
-                    }
-                    return Err(Error::VersionConflict {
-                        run: run.clone(),
-                        expected: 0,
-                        found: decode(run, &found)?.version,
-                    });
-                }
-                runs.insert(run.as_str(), json.as_str())
-                    .map_err(|e| db_err(&what, e))?;
-                txn.open_table(TENANT_RUNS)
-                    .map_err(|e| db_err(&what, e))?
-                    .insert((c.tenant.as_str(), run.as_str()), ())
-                    .map_err(|e| db_err(&what, e))?;
-            }
-            append_events(&txn, run, &events)?;
-            set_active(&txn, &c)?;
-            txn.commit().map_err(|e| db_err(&what, e))?;
-            Ok(CreateOutcome::Created)
-        })
-        .await
+        let run = &checkpoint.run_id;
+        check_seq(run, 0, events.iter().map(|e| e.seq))?;
+        let job = CreateJob {
+            run: run.clone(),
+            tenant: checkpoint.tenant.clone(),
+            terminal: checkpoint.terminal,
+            json: serde_json::to_string(checkpoint)
+                .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
+            events: encode_events(run, events)?,
+            key: client_key.map(str::to_owned),
+        };
+        self.write(|| format!("creating run {run}"), |r| Job::Create(job, r))
+            .await
     }
 
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>> {
@@ -303,145 +753,36 @@ impl CheckpointStore for FileStore {
         expected_version: u64,
         events: &[EventRecord],
     ) -> Result<()> {
-        let c = checkpoint.clone();
-        let events = events.to_vec();
-        let token = lease.token;
-        self.blocking(move |inner| {
-            let run = &c.run_id;
-            let what = format!("committing run {run}");
-            let json =
-                serde_json::to_string(&c).map_err(|e| corrupt(run, "encoding checkpoint", e))?;
-            let txn = inner.db.begin_write().map_err(|e| db_err(&what, e))?;
-            {
-                let mut runs = txn.open_table(RUNS).map_err(|e| db_err(&what, e))?;
-                let stored = runs
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .map(|v| v.value().to_owned())
-                    .ok_or_else(|| Error::NotFound(run.clone()))?;
-                let fence = txn
-                    .open_table(TOKENS)
-                    .map_err(|e| db_err(&what, e))?
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .map_or(0, |v| v.value().0);
-                if fence == 0 || fence != token {
-                    return Err(Error::Fenced {
-                        run: run.clone(),
-                        token,
-                    });
-                }
-                let last = last_seq(&txn.open_table(EVENTS).map_err(|e| db_err(&what, e))?, run)?;
-                let found = decode(run, &stored)?.version;
-                if found != expected_version {
-                    let replay = stored == json && events.last().is_none_or(|e| e.seq == last);
-                    if replay {
-                        return Ok(());
-                    }
-                    return Err(Error::VersionConflict {
-                        run: run.clone(),
-                        expected: expected_version,
-                        found,
-                    });
-                }
-                check_seq(run, last, &events)?;
-                runs.insert(run.as_str(), json.as_str())
-                    .map_err(|e| db_err(&what, e))?;
-            }
-            append_events(&txn, run, &events)?;
-            set_active(&txn, &c)?;
-            txn.commit().map_err(|e| db_err(&what, e))?;
-            Ok(())
-        })
-        .await
+        let run = &checkpoint.run_id;
+        let job = CommitJob {
+            run: run.clone(),
+            token: lease.token,
+            expected: expected_version,
+            terminal: checkpoint.terminal,
+            json: serde_json::to_string(checkpoint)
+                .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
+            events: encode_events(run, events)?,
+        };
+        self.write(|| format!("committing run {run}"), |r| Job::Commit(job, r))
+            .await
     }
 
     async fn claim(&self, run: &RunId, owner: &str, ttl: Duration) -> Result<Lease> {
-        let run = run.clone();
-        let owner = owner.to_owned();
-        self.blocking(move |inner| {
-            let what = format!("claiming run {run}");
-            // Held across the transaction so claims of one process are serialised with the
-            // in-memory liveness map.
-            let mut leases = inner.leases();
-            let now = Instant::now();
-            if let Some(l) = leases.get(&run) {
-                // The same owner claiming again is a new incarnation: it gets a new token too.
-                if l.owner != owner && l.expires > now {
-                    return Err(Error::LeaseHeld {
-                        run: run.clone(),
-                        owner: l.owner.clone(),
-                    });
-                }
-            }
-            let txn = inner.db.begin_write().map_err(|e| db_err(&what, e))?;
-            let token = {
-                let exists = txn
-                    .open_table(RUNS)
-                    .map_err(|e| db_err(&what, e))?
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .is_some();
-                if !exists {
-                    return Err(Error::NotFound(run.clone()));
-                }
-                let mut tokens = txn.open_table(TOKENS).map_err(|e| db_err(&what, e))?;
-                let last = tokens
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .map_or(0, |v| v.value().1);
-                let token = last + 1;
-                tokens
-                    .insert(run.as_str(), (token, token))
-                    .map_err(|e| db_err(&what, e))?;
-                token
-            };
-            txn.commit().map_err(|e| db_err(&what, e))?;
-            leases.insert(
-                run.clone(),
-                LiveLease {
-                    owner: owner.clone(),
-                    token,
-                    expires: now + ttl,
-                },
-            );
-            Ok(Lease {
-                run_id: run,
-                owner,
-                token,
-            })
-        })
-        .await
+        let job = ClaimJob {
+            run: run.clone(),
+            owner: owner.to_owned(),
+            ttl,
+        };
+        self.write(|| format!("claiming run {run}"), |r| Job::Claim(job, r))
+            .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        let lease = lease.clone();
-        self.blocking(move |inner| {
-            let run = &lease.run_id;
-            let what = format!("releasing run {run}");
-            let mut leases = inner.leases();
-            let txn = inner.db.begin_write().map_err(|e| db_err(&what, e))?;
-            {
-                let mut tokens = txn.open_table(TOKENS).map_err(|e| db_err(&what, e))?;
-                let cur = tokens
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .map(|v| v.value());
-                match cur {
-                    Some((fence, last)) if fence == lease.token => {
-                        tokens
-                            .insert(run.as_str(), (0, last))
-                            .map_err(|e| db_err(&what, e))?;
-                    }
-                    _ => return Ok(()),
-                }
-            }
-            txn.commit().map_err(|e| db_err(&what, e))?;
-            if leases.get(run).is_some_and(|l| l.token == lease.token) {
-                leases.remove(run);
-            }
-            Ok(())
-        })
+        let l = lease.clone();
+        self.write(
+            || format!("releasing run {}", lease.run_id),
+            |r| Job::Release(l, r),
+        )
         .await
     }
 
@@ -524,34 +865,19 @@ impl CheckpointStore for FileStore {
     }
 
     async fn push_control(&self, run: &RunId, control: &Control) -> Result<u64> {
-        let run = run.clone();
         let json = serde_json::to_string(&StoredControl {
             at_ms: now_ms(),
             control: control.clone(),
         })
-        .map_err(|e| corrupt(&run, "encoding control", e))?;
-        self.blocking(move |inner| {
-            let what = format!("storing a control for run {run}");
-            let txn = inner.db.begin_write().map_err(|e| db_err(&what, e))?;
-            let seq = {
-                let exists = txn
-                    .open_table(RUNS)
-                    .map_err(|e| db_err(&what, e))?
-                    .get(run.as_str())
-                    .map_err(|e| db_err(&what, e))?
-                    .is_some();
-                if !exists {
-                    return Err(Error::NotFound(run.clone()));
-                }
-                let mut t = txn.open_table(CONTROLS).map_err(|e| db_err(&what, e))?;
-                let seq = last_seq(&t, &run)? + 1;
-                t.insert((run.as_str(), seq), json.as_str())
-                    .map_err(|e| db_err(&what, e))?;
-                seq
-            };
-            txn.commit().map_err(|e| db_err(&what, e))?;
-            Ok(seq)
-        })
+        .map_err(|e| corrupt(run, "encoding control", e))?;
+        let job = PushControlJob {
+            run: run.clone(),
+            json,
+        };
+        self.write(
+            || format!("storing a control for run {run}"),
+            |r| Job::PushControl(job, r),
+        )
         .await
     }
 
@@ -582,6 +908,11 @@ impl CheckpointStore for FileStore {
     }
 
     async fn ping(&self) -> Result<()> {
+        if self.inner.queue.is_closed() {
+            return Err(Error::Unavailable(
+                "file store: the writer thread has stopped".to_owned(),
+            ));
+        }
         self.blocking(|inner| {
             inner
                 .db

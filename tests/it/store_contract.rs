@@ -638,6 +638,273 @@ mod file_store {
         assert!(matches!(err, Err(Error::Fenced { .. })));
     }
 
+    /// Group commit: many runs committing at once all succeed, each with its own versions and
+    /// a gap-free log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_runs_commit_concurrently_through_group_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(FileStore::open(dir.path()).await.unwrap());
+        super::redis_concurrency::drive(s, 300, 5, 100).await;
+    }
+
+    /// Many writers holding the same lease race on every version, all queued at once (so they
+    /// share batches): exactly one wins each version, the others see the winner's version.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_racing_writers_one_wins_each_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(FileStore::open(dir.path()).await.unwrap());
+        let run = created(&*s, "t1").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+        for v in 1..=20u64 {
+            let mut tasks = tokio::task::JoinSet::new();
+            for w in 0..8 {
+                let (s, run, lease) = (s.clone(), run.clone(), lease.clone());
+                tasks.spawn(async move {
+                    let mut c = ckpt(&run, "t1", v + 1);
+                    c.body = format!("{{\"writer\":{w}}}");
+                    (c.clone(), s.commit(&lease, &c, v, &[ev(v + 1)]).await)
+                });
+            }
+            let results = tasks.join_all().await;
+            let winners: Vec<_> = results.iter().filter(|(_, r)| r.is_ok()).collect();
+            assert_eq!(winners.len(), 1, "version {v}: {results:?}");
+            for (_, r) in &results {
+                if let Err(e) = r {
+                    assert!(
+                        matches!(e, Error::VersionConflict { found, .. } if *found == v + 1),
+                        "{e:?}"
+                    );
+                }
+            }
+            assert_eq!(s.load(&run).await.unwrap(), Some(winners[0].0.clone()));
+        }
+        assert_eq!(
+            s.read(&run, 0, 100).await.unwrap(),
+            (1..=21).map(ev).collect::<Vec<_>>()
+        );
+    }
+
+    /// Rejected commits (fenced, stale, gapped, unknown run) queued together with good ones are
+    /// their callers' errors only: every good commit lands, and nothing of a bad one does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rejected_commits_do_not_disturb_their_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(FileStore::open(dir.path()).await.unwrap());
+        let mut leased = Vec::new();
+        for _ in 0..100 {
+            let run = created(&*s, "t1").await;
+            let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+            leased.push((run, lease));
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for (run, lease) in &leased {
+            let good = ckpt(run, "t1", 2);
+            let fenced = Lease {
+                token: lease.token + 100,
+                ..lease.clone()
+            };
+            let mut bad = ckpt(run, "t1", 3);
+            bad.body = "{\"bad\":true}".into();
+            let ghost = RunId::generate();
+            let jobs: [(&str, Lease, Checkpoint, u64, Vec<_>); 5] = [
+                ("good", lease.clone(), good, 1, vec![ev(2)]),
+                ("fenced", fenced, bad.clone(), 1, vec![ev(2)]),
+                ("stale", lease.clone(), bad.clone(), 0, vec![ev(1)]),
+                ("gap", lease.clone(), bad.clone(), 1, vec![ev(3)]),
+                (
+                    "ghost",
+                    lease.clone(),
+                    ckpt(&ghost, "t1", 2),
+                    1,
+                    vec![ev(2)],
+                ),
+            ];
+            for (kind, l, c, expected, events) in jobs {
+                let s = s.clone();
+                tasks.spawn(async move { (kind, s.commit(&l, &c, expected, &events).await) });
+            }
+        }
+        for (kind, r) in tasks.join_all().await {
+            match kind {
+                "good" => assert_eq!(r, Ok(())),
+                "fenced" => assert!(matches!(r, Err(Error::Fenced { .. })), "{r:?}"),
+                "stale" => assert!(matches!(r, Err(Error::VersionConflict { .. })), "{r:?}"),
+                // Before the good commit the gap is seen, after it the version has moved on.
+                "gap" => assert!(
+                    matches!(
+                        r,
+                        Err(Error::SequenceGap { .. } | Error::VersionConflict { .. })
+                    ),
+                    "{r:?}"
+                ),
+                _ => assert!(
+                    matches!(r, Err(Error::NotFound(_) | Error::Fenced { .. })),
+                    "{r:?}"
+                ),
+            }
+        }
+        let active: HashSet<RunId> = s.active_runs().await.unwrap().into_iter().collect();
+        for (run, _) in &leased {
+            assert_eq!(s.load(run).await.unwrap(), Some(ckpt(run, "t1", 2)));
+            assert_eq!(s.read(run, 0, 10).await.unwrap(), vec![ev(1), ev(2)]);
+            assert!(active.contains(run));
+        }
+    }
+
+    /// Creates, claims, releases and controls share the writer with commits and keep their
+    /// rules when queued together.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn other_writes_share_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(FileStore::open(dir.path()).await.unwrap());
+        let runs = ids(50);
+        // Concurrent creates with one client key per pair of runs: one of each pair wins.
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, run) in runs.iter().enumerate() {
+            let (s, run) = (s.clone(), run.clone());
+            tasks.spawn(async move {
+                let key = format!("k{}", i / 2);
+                let out = s.create(&ckpt(&run, "t1", 1), &[ev(1)], Some(&key)).await;
+                (i, run, out.unwrap())
+            });
+        }
+        let mut made = Vec::new();
+        for (i, run, out) in tasks.join_all().await {
+            if out == CreateOutcome::Created {
+                made.push((i, run));
+            }
+        }
+        assert_eq!(made.len(), 25);
+        // Concurrent claims by two owners: exactly one gets each run.
+        let mut tasks = tokio::task::JoinSet::new();
+        for (_, run) in &made {
+            for owner in ["node-a", "node-b"] {
+                let (s, run) = (s.clone(), run.clone());
+                tasks.spawn(async move { s.claim(&run, owner, TTL).await });
+            }
+        }
+        let claims = tasks.join_all().await;
+        let leases: Vec<Lease> = claims.iter().filter_map(|r| r.clone().ok()).collect();
+        assert_eq!(leases.len(), 25, "{claims:?}");
+        assert!(
+            claims
+                .iter()
+                .all(|r| matches!(r, Ok(_) | Err(Error::LeaseHeld { .. })))
+        );
+        // Controls pushed concurrently get gap-free seqs per run.
+        let mut tasks = tokio::task::JoinSet::new();
+        for (_, run) in &made {
+            for n in 0..4 {
+                let (s, run) = (s.clone(), run.clone());
+                tasks.spawn(async move {
+                    s.push_control(
+                        &run,
+                        &Control::Input {
+                            text: n.to_string(),
+                        },
+                    )
+                    .await
+                    .unwrap()
+                });
+            }
+        }
+        tasks.join_all().await;
+        for (_, run) in &made {
+            let seqs: Vec<u64> = s
+                .controls(run, 0)
+                .await
+                .unwrap()
+                .iter()
+                .map(|c| c.seq)
+                .collect();
+            assert_eq!(seqs, vec![1, 2, 3, 4]);
+        }
+        // Releases and re-claims in one go: the other owner gets each run with a larger token.
+        let mut tasks = tokio::task::JoinSet::new();
+        for l in &leases {
+            let (s, l) = (s.clone(), l.clone());
+            tasks.spawn(async move {
+                s.release(&l).await.unwrap();
+                let other = if l.owner == "node-a" {
+                    "node-b"
+                } else {
+                    "node-a"
+                };
+                let next = s.claim(&l.run_id, other, TTL).await.unwrap();
+                assert!(next.token > l.token);
+                let err = s.commit(&l, &ckpt(&l.run_id, "t1", 2), 1, &[ev(2)]).await;
+                assert!(matches!(err, Err(Error::Fenced { .. })), "{err:?}");
+            });
+        }
+        tasks.join_all().await;
+    }
+
+    /// A full write queue answers `Unavailable` within its wait, and such a write is not applied.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_queue_is_unavailable_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = agentd::store::file::FileConfig {
+            queue_capacity: 1,
+            max_batch: 1,
+            queue_wait: Duration::from_millis(1),
+            ..Default::default()
+        };
+        let s = Arc::new(FileStore::open_with(dir.path(), cfg).await.unwrap());
+        let mut leased = Vec::new();
+        for _ in 0..200 {
+            let run = created(&*s, "t1").await;
+            let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+            leased.push((run, lease));
+        }
+        let start = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (run, lease) in &leased {
+            let (s, run, lease) = (s.clone(), run.clone(), lease.clone());
+            tasks.spawn(async move {
+                let r = s.commit(&lease, &ckpt(&run, "t1", 2), 1, &[ev(2)]).await;
+                (run, r)
+            });
+        }
+        let results = tasks.join_all().await;
+        assert!(start.elapsed() < Duration::from_secs(20));
+        let mut full = 0;
+        for (run, r) in results {
+            match r {
+                Ok(()) => assert_eq!(s.load(&run).await.unwrap().unwrap().version, 2),
+                Err(Error::Unavailable(m)) if m.contains("queue full") => {
+                    full += 1;
+                    assert_eq!(s.load(&run).await.unwrap().unwrap().version, 1);
+                    assert_eq!(s.read(&run, 0, 10).await.unwrap().len(), 1);
+                }
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        assert!(
+            full > 0,
+            "200 commits at once never found the 1-slot queue full"
+        );
+    }
+
+    /// Dropping the store ends the writer and closes the file: it opens again at once, with
+    /// every answered write in it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn drop_closes_the_file_after_the_last_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut expect = Vec::new();
+        for round in 0..3 {
+            let s = Arc::new(FileStore::open(dir.path()).await.unwrap());
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..50 {
+                let s = s.clone();
+                tasks.spawn(async move { created(&*s, "t1").await });
+            }
+            expect.extend(tasks.join_all().await);
+            for run in &expect {
+                assert!(s.load(run).await.unwrap().is_some(), "round {round}");
+            }
+        }
+    }
+
     #[tokio::test]
     async fn a_new_directory_gets_a_new_epoch() {
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -768,10 +1035,10 @@ mod redis_faults {
 mod redis_concurrency {
     use super::*;
     use crate::redis_support::{drop_namespace, shared_redis};
-    use agentd::store::redis::RedisStore;
 
     /// `runs` runs, each committing `commits` times, all concurrently. Returns commits/s.
-    async fn drive(s: Arc<RedisStore>, runs: usize, commits: u64, body: usize) -> f64 {
+    /// Shared with the file store's group-commit tests.
+    pub(super) async fn drive<S: Store>(s: Arc<S>, runs: usize, commits: u64, body: usize) -> f64 {
         let mut setup = tokio::task::JoinSet::new();
         for _ in 0..runs {
             let s = s.clone();
