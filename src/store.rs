@@ -112,6 +112,34 @@ pub struct RunPage {
     pub next_cursor: Option<String>,
 }
 
+impl RunPage {
+    /// A page from items already sorted newest first, holding up to `limit + 1` of them: the
+    /// extra one only says that another page follows.
+    pub fn from_newest_first(mut items: Vec<Checkpoint>, limit: usize) -> Self {
+        let more = items.len() > limit;
+        items.truncate(limit);
+        let next_cursor = if more {
+            items.last().map(|c| c.run_id.to_string())
+        } else {
+            None
+        };
+        RunPage { items, next_cursor }
+    }
+}
+
+/// Checks that event seqs continue a log whose last seq is `last`, without gaps.
+pub fn check_seq(run: &RunId, last: u64, seqs: impl IntoIterator<Item = u64>) -> Result<()> {
+    for (i, seq) in seqs.into_iter().enumerate() {
+        if seq != last + 1 + i as u64 {
+            return Err(Error::SequenceGap {
+                run: run.clone(),
+                seq,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Store failures. Every variant says what happened to the write: conflicts and fencing mean
 /// it was not applied; `Unavailable` means it may or may not have been.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

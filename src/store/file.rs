@@ -31,7 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -165,18 +165,6 @@ fn last_seq<T: ReadableTable<(&'static str, u64), &'static str>>(
         }
         None => Ok(0),
     }
-}
-
-fn check_seq(run: &RunId, last: u64, seqs: impl IntoIterator<Item = u64>) -> Result<()> {
-    for (i, seq) in seqs.into_iter().enumerate() {
-        if seq != last + 1 + i as u64 {
-            return Err(Error::SequenceGap {
-                run: run.clone(),
-                seq,
-            });
-        }
-    }
-    Ok(())
 }
 
 /// Events as (seq, JSON), encoded by the caller so the writer only checks and writes.
@@ -852,14 +840,7 @@ impl CheckpointStore for FileStore {
                     }
                 }
             }
-            let more = items.len() > limit;
-            items.truncate(limit);
-            let next_cursor = if more {
-                items.last().map(|c| c.run_id.to_string())
-            } else {
-                None
-            };
-            Ok(RunPage { items, next_cursor })
+            Ok(RunPage::from_newest_first(items, limit))
         })
         .await
     }

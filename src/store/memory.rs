@@ -8,7 +8,7 @@ use dashmap::DashMap;
 
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -56,18 +56,6 @@ impl MemoryStore {
     }
 }
 
-fn check_seq(run: &RunId, last: u64, events: &[EventRecord]) -> Result<()> {
-    for (i, e) in events.iter().enumerate() {
-        if e.seq != last + 1 + i as u64 {
-            return Err(Error::SequenceGap {
-                run: run.clone(),
-                seq: e.seq,
-            });
-        }
-    }
-    Ok(())
-}
-
 #[async_trait]
 impl CheckpointStore for MemoryStore {
     async fn create(
@@ -77,7 +65,7 @@ impl CheckpointStore for MemoryStore {
         client_key: Option<&str>,
     ) -> Result<CreateOutcome> {
         let run = &checkpoint.run_id;
-        check_seq(run, 0, events)?;
+        check_seq(run, 0, events.iter().map(|e| e.seq))?;
         if let Some(key) = client_key {
             match self
                 .client_keys
@@ -144,7 +132,7 @@ impl CheckpointStore for MemoryStore {
                 found,
             });
         }
-        check_seq(run, last, events)?;
+        check_seq(run, last, events.iter().map(|e| e.seq))?;
         entry.checkpoint = Some(checkpoint.clone());
         entry.events.extend_from_slice(events);
         Ok(())
@@ -216,14 +204,7 @@ impl CheckpointStore for MemoryStore {
             .filter(|c| cursor.is_none_or(|cur| c.run_id.as_str() < cur))
             .collect();
         items.sort_by(|a, b| b.run_id.cmp(&a.run_id));
-        let more = items.len() > limit;
-        items.truncate(limit);
-        let next_cursor = if more {
-            items.last().map(|c| c.run_id.to_string())
-        } else {
-            None
-        };
-        Ok(RunPage { items, next_cursor })
+        Ok(RunPage::from_newest_first(items, limit))
     }
 
     async fn push_control(&self, run: &RunId, control: &Control) -> Result<u64> {

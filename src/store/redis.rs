@@ -790,14 +790,7 @@ impl CheckpointStore for RedisStore {
                 upper = format!("({last}");
             }
         }
-        let more = items.len() > limit;
-        items.truncate(limit);
-        let next_cursor = if more {
-            items.last().map(|c| c.run_id.to_string())
-        } else {
-            None
-        };
-        Ok(RunPage { items, next_cursor })
+        Ok(RunPage::from_newest_first(items, limit))
     }
 
     async fn push_control(&self, run: &RunId, control: &Control) -> Result<u64> {
