@@ -77,7 +77,8 @@ pub struct GatewayStats {
 
 struct ModelLimiters {
     requests: Option<DefaultDirectRateLimiter>,
-    tokens: Option<DefaultDirectRateLimiter>,
+    /// Token limiter and its burst (the most tokens one wait can ask for).
+    tokens: Option<(DefaultDirectRateLimiter, NonZeroU32)>,
 }
 
 struct Shared {
@@ -283,10 +284,11 @@ impl ModelGateway {
                 let lim = ModelLimiters {
                     requests: l
                         .requests_per_minute
-                        .map(|n| RateLimiter::direct(Quota::per_minute(n))),
-                    tokens: l
-                        .tokens_per_minute
-                        .map(|n| RateLimiter::direct(Quota::per_minute(n))),
+                        .map(|n| RateLimiter::direct(smooth_per_minute(n))),
+                    tokens: l.tokens_per_minute.map(|n| {
+                        let q = smooth_per_minute(n);
+                        (RateLimiter::direct(q), q.burst_size())
+                    }),
                 };
                 (name, lim)
             })
@@ -343,6 +345,13 @@ impl ModelGateway {
     }
 }
 
+/// A per-minute quota whose burst is one second's share, so a burst of runs is spread over the
+/// minute instead of sending the whole minute's quota at once.
+fn smooth_per_minute(n: NonZeroU32) -> Quota {
+    let burst = NonZeroU32::new(n.get().div_ceil(60)).unwrap_or(NonZeroU32::MIN);
+    Quota::per_minute(n).allow_burst(burst)
+}
+
 /// Capped exponential backoff with full jitter between 50 % and 100 %.
 fn backoff(config: &GatewayConfig, attempt: u32) -> Duration {
     let exp = config
@@ -377,10 +386,12 @@ async fn call_with_retries(
             if let Some(r) = &l.requests {
                 r.until_ready().await;
             }
-            if let Some(t) = &l.tokens {
-                let n = NonZeroU32::new(estimate_tokens(request)).unwrap_or(NonZeroU32::MIN);
-                // A request larger than the whole per-minute quota can never fit: let it go
-                // rather than wait forever.
+            if let Some((t, burst)) = &l.tokens {
+                // A request larger than the burst waits for a whole burst (it cannot wait for
+                // more at once); smaller ones wait for their own estimate.
+                let n = NonZeroU32::new(estimate_tokens(request))
+                    .unwrap_or(NonZeroU32::MIN)
+                    .min(*burst);
                 let _ = t.until_n_ready(n).await;
             }
             stats
@@ -560,5 +571,20 @@ mod tests {
         assert_eq!(g.stats().queued.load(Ordering::Relaxed), 2);
         rec.gate.add_permits(10);
         g.stop();
+    }
+}
+
+#[cfg(test)]
+mod quota_tests {
+    use super::*;
+
+    #[test]
+    fn per_minute_limits_admit_one_seconds_share_at_once() {
+        let n = NonZeroU32::new(600).unwrap();
+        let limiter = RateLimiter::direct(smooth_per_minute(n));
+        let admitted = (0..600).filter(|_| limiter.check().is_ok()).count();
+        assert_eq!(admitted, 10, "600/min admits 10 at once, not 600");
+        let one = RateLimiter::direct(smooth_per_minute(NonZeroU32::new(5).unwrap()));
+        assert_eq!((0..5).filter(|_| one.check().is_ok()).count(), 1);
     }
 }
