@@ -684,3 +684,41 @@ async fn a_waiting_run_gives_up_its_actor_and_is_rehydrated_by_its_next_message(
     );
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passivated_run_is_woken_by_its_deadline() {
+    let model = ScriptedModel::from_fn("m", |_| {
+        Ok(calls(&[("ask_user", json!({"question": "anyone there?"}))]))
+    });
+    let mut b = Builder::new().model(model).agent(AgentSpec::new("a", "m"));
+    b.config.passivate_after = Some(Duration::from_millis(20));
+    let h = b.start().await;
+    let id = h
+        .start_with(NewRun {
+            tenant: TENANT.into(),
+            agent: "a".into(),
+            input: json!("wait for me"),
+            client_key: None,
+            budget: BudgetRequest {
+                deadline: Some(Duration::from_millis(700)),
+                ..Default::default()
+            },
+            metadata: Value::Null,
+        })
+        .await;
+    h.handle
+        .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while h.handle.live_runs().await > 0 {
+        assert!(std::time::Instant::now() < deadline, "never passivated");
+        tokio::task::yield_now().await;
+    }
+    // Nobody sends it anything: its deadline alone brings it back, to fail it.
+    let run = h.finish(&id).await;
+    assert_eq!(run.status, Status::Failed);
+    assert!(run.error.unwrap().message.contains("deadline"));
+    check_log(&h, &id).await;
+    h.shutdown().await;
+}
