@@ -69,6 +69,7 @@ pub struct Metrics {
     pub store_retries: AtomicU64,
     /// Times the store's epoch marker was seen to change (data lost).
     pub store_resets: AtomicU64,
+    /// Run actors alive now (kept by the run supervisor).
     pub live_runs: AtomicU64,
     /// One model turn and its tool batch.
     pub step_latency: Histogram,

@@ -324,7 +324,7 @@ impl Actor for RunActor {
         };
         let Some(agent) = deps.agents.get(&run.agent).cloned() else {
             // The agent was removed from config: the run cannot continue.
-            let mut live = Live::new(run, lease, Arc::new(placeholder_agent(&deps)));
+            let mut live = Live::new(run, lease, Arc::new(placeholder_agent()));
             let event = RunEvent::Abort {
                 code: "unknown_agent".into(),
                 message: "the run's agent is no longer configured".into(),
@@ -333,7 +333,6 @@ impl Actor for RunActor {
             st.live = Some(live);
             return Ok(());
         };
-        deps.metrics.live_runs.fetch_add(1, Ordering::Relaxed);
         let mut live = Live::new(run, lease, agent);
         if let Some(deadline) = live.run.budget.deadline_ms {
             let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
@@ -422,18 +421,17 @@ impl Actor for RunActor {
                         tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
                     }
                 });
-            } else {
-                st.deps.metrics.live_runs.fetch_sub(1, Ordering::Relaxed);
             }
         }
         Ok(())
     }
 }
 
-fn placeholder_agent(deps: &RunDeps) -> Agent {
+/// An agent with no tools, standing in for one removed from config, so such a run can be
+/// failed through the normal path.
+fn placeholder_agent() -> Agent {
     let registry = Arc::new(crate::tool::registry::Registry::new());
     let spec = crate::agent::AgentSpec::new("unknown", "none");
-    let _ = deps;
     Agent {
         tools: crate::tool::registry::AgentTools::new(registry, Arc::from(Vec::<String>::new())),
         definitions: Vec::new().into(),
@@ -881,7 +879,6 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             if let Some(t) = live.deadline_timer.take() {
                 t.abort();
             }
-            deps.metrics.live_runs.fetch_sub(1, Ordering::Relaxed);
             if let Some(n) = deps.active.get(&live.run.tenant) {
                 n.fetch_sub(1, Ordering::SeqCst);
             }

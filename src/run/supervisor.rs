@@ -106,6 +106,14 @@ pub struct SupervisorState {
 }
 
 impl SupervisorState {
+    /// One run actor fewer (the gauge is kept here, where every start and end is seen).
+    fn actor_gone(&self) {
+        self.deps
+            .metrics
+            .live_runs
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     async fn spawn(&mut self, myself: &ActorRef<SupervisorMsg>, id: RunId, boot: Boot) {
         let args = RunArgs {
             id: id.clone(),
@@ -122,6 +130,10 @@ impl SupervisorState {
                 }
                 self.by_actor.insert(actor.get_id(), id);
                 entry.actor = Some(actor);
+                self.deps
+                    .metrics
+                    .live_runs
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             Err(e) => {
                 // pre_start does no I/O, so this is a bug; count it as a crash.
@@ -259,6 +271,7 @@ impl Actor for RunSupervisor {
         match evt {
             SupervisionEvent::ActorTerminated(cell, _, reason) => {
                 if let Some(id) = st.by_actor.remove(&cell.get_id()) {
+                    st.actor_gone();
                     let still_this_actor = st
                         .runs
                         .get(&id)
@@ -288,6 +301,7 @@ impl Actor for RunSupervisor {
             }
             SupervisionEvent::ActorFailed(cell, err) => {
                 if let Some(id) = st.by_actor.remove(&cell.get_id()) {
+                    st.actor_gone();
                     st.crashed(&myself, id, err.to_string());
                 }
             }

@@ -523,6 +523,12 @@ async fn a_panic_restarts_the_run_from_its_checkpoint_without_repeating_tool_cal
     let kinds = check_log(&h, &id).await;
     assert!(kinds.contains(&"run_resumed".to_owned()));
     assert_eq!(h.handle.metrics().restarts.load(Ordering::Relaxed), 1);
+    // The live-run gauge counts actors, crashed ones included: it returns to zero.
+    let deadline = std::time::Instant::now() + WAIT;
+    while h.handle.metrics().live_runs.load(Ordering::Relaxed) != 0 {
+        assert!(std::time::Instant::now() < deadline, "live_runs gauge stuck");
+        tokio::task::yield_now().await;
+    }
     h.shutdown().await;
 }
 
