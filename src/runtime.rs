@@ -319,6 +319,8 @@ impl Runtime {
 }
 
 impl RuntimeHandle {
+    /// Adopts every unfinished run: a running one resumes (its in-flight work re-issued by
+    /// policy); a waiting one just comes back waiting, timers re-armed, and is passivated again.
     async fn recover(&self) -> Result<(), store::Error> {
         let ids = self.inner.deps.store.active_runs().await?;
         if !ids.is_empty() {
@@ -330,7 +332,7 @@ impl RuntimeHandle {
             }
             let _ = self.inner.supervisor.cast(SupervisorMsg::Start {
                 id,
-                boot: Boot::Recover,
+                boot: Boot::Rehydrate,
             });
         }
         Ok(())

@@ -526,7 +526,10 @@ async fn a_panic_restarts_the_run_from_its_checkpoint_without_repeating_tool_cal
     // The live-run gauge counts actors, crashed ones included: it returns to zero.
     let deadline = std::time::Instant::now() + WAIT;
     while h.handle.metrics().live_runs.load(Ordering::Relaxed) != 0 {
-        assert!(std::time::Instant::now() < deadline, "live_runs gauge stuck");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "live_runs gauge stuck"
+        );
         tokio::task::yield_now().await;
     }
     h.shutdown().await;
