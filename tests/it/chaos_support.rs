@@ -29,16 +29,27 @@ impl ChildDaemon {
     /// Starts `agentd serve --config <config>` and returns once it has printed its address (its
     /// runtime may still be recovering: see `wait_ready`).
     pub async fn spawn(config: &Path, log: &Path) -> ChildDaemon {
+        Self::spawn_with(config, log, &[], "info").await
+    }
+
+    /// `spawn` with extra global arguments (e.g. `--log-format json`) and a `RUST_LOG` filter.
+    pub async fn spawn_with(
+        config: &Path,
+        log: &Path,
+        global_args: &[&str],
+        rust_log: &str,
+    ) -> ChildDaemon {
         let out = OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
+            .args(global_args)
             .args(["serve", "--config", config.to_str().unwrap()])
             .args(["--listen", "127.0.0.1:0"])
             .env_remove("AGENTD_TOKEN")
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", rust_log)
             .stdout(Stdio::from(out))
             .stderr(Stdio::piped())
             .spawn()

@@ -5,8 +5,6 @@
 //! prompt injection, a secret canary sweep over events, API answers and logs, and the retry
 //! amplification figure.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use agentd::config::{AgentConfig, Config, ToolConfig, ToolKind};
@@ -575,48 +573,6 @@ async fn mcp_tools_of_the_reference_server_run_through_the_daemon() {
     d.stop().await;
 }
 
-/// Starts `agentd serve` as a child process with JSON logs at trace level into `log`; returns
-/// the child and its base URL.
-fn spawn_daemon(config: &std::path::Path, log: &std::path::Path) -> (std::process::Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
-        .args([
-            "--log-format",
-            "json",
-            "serve",
-            "--config",
-            config.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .env_remove("AGENTD_TOKEN")
-        .env(
-            "RUST_LOG",
-            "trace,hyper=info,h2=info,reqwest=info,tower=info",
-        )
-        .stdout(Stdio::from(std::fs::File::create(log).unwrap()))
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let base = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
-            .recv_timeout(left)
-            .expect("the daemon did not report its address");
-        if let Some(addr) = line.strip_prefix("agentd listening on ") {
-            break addr.trim().to_owned();
-        }
-    };
-    (child, base)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secret_canaries_never_reach_events_api_answers_or_logs() {
     let model = FakeOpenAi::start().await;
@@ -647,7 +603,15 @@ async fn secret_canaries_never_reach_events_api_answers_or_logs() {
     let config = dir.path().join("agentd.toml");
     let log = dir.path().join("agentd.log");
     std::fs::write(&config, config_text(&model, &tools)).unwrap();
-    let (mut child, base) = spawn_daemon(&config, &log);
+    // JSON logs at trace level, stdout and stderr, all into `log`.
+    let daemon = crate::chaos_support::ChildDaemon::spawn_with(
+        &config,
+        &log,
+        &["--log-format", "json"],
+        "trace,hyper=info,h2=info,reqwest=info,tower=info",
+    )
+    .await;
+    let base = daemon.base.clone();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(20))
         .build()
@@ -703,8 +667,7 @@ async fn secret_canaries_never_reach_events_api_answers_or_logs() {
         sse_text.extend_from_slice(&chunk.unwrap());
     }
     bodies.push(String::from_utf8(sse_text).unwrap());
-    let _ = child.kill();
-    let _ = child.wait();
+    daemon.kill9();
     let logs = std::fs::read_to_string(&log).unwrap();
 
     // The canaries were real: they reached the tool server.

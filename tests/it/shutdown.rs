@@ -3,8 +3,6 @@
 //! finishes every run without applying a tool call twice.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use eventsource_stream::Eventsource;
@@ -22,36 +20,9 @@ async fn sigterm_exits_zero_within_the_bound_with_runs_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agentd.toml");
     std::fs::write(&path, file_config()).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
-        .args([
-            "serve",
-            "--config",
-            path.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .env_remove("AGENTD_TOKEN")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let base = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
-            .recv_timeout(left)
-            .expect("the daemon did not report its address");
-        if let Some(addr) = line.strip_prefix("agentd listening on ") {
-            break addr.trim().to_owned();
-        }
-    };
+    let log = dir.path().join("agentd.log");
+    let mut daemon = ChildDaemon::spawn(&path, &log).await;
+    let base = daemon.base.clone();
     let http = reqwest::Client::new();
     let mut ids = Vec::new();
     for agent in ["hang", "hang", "slow"] {
@@ -95,11 +66,7 @@ async fn sigterm_exits_zero_within_the_bound_with_runs_in_flight() {
     assert!(!["succeeded", "failed", "cancelled"].contains(&run["status"].as_str().unwrap()));
 
     let sent = Instant::now();
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    daemon.signal("TERM");
     // The SSE stream is closed by the server.
     let ended = tokio::time::timeout(Duration::from_secs(6), async {
         while let Some(Ok(_)) = sse.next().await {}
@@ -107,22 +74,13 @@ async fn sigterm_exits_zero_within_the_bound_with_runs_in_flight() {
     .await;
     assert!(ended.is_ok(), "SSE stream still open after SIGTERM");
     // The process exits 0 within the configured bound (5s) plus process teardown.
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if sent.elapsed() > Duration::from_secs(8) {
-            let _ = child.kill();
-            panic!("agentd did not exit within the shutdown bound");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = daemon
+        .wait_exit(Duration::from_secs(8).saturating_sub(sent.elapsed()))
+        .await
+        .expect("agentd did not exit within the shutdown bound");
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
-    let logs: Vec<String> = rx.try_iter().collect();
-    assert!(
-        logs.iter().all(|l| !l.contains(ALPHA)),
-        "the token was printed: {logs:?}"
-    );
+    let logs = std::fs::read_to_string(&log).unwrap();
+    assert!(!logs.contains(ALPHA), "the token was printed: {logs}");
 }
 
 /// A config on the file store at `data`, with a slow scripted agent calling an idempotent HTTP
