@@ -326,8 +326,11 @@ impl RuntimeHandle {
         if !ids.is_empty() {
             tracing::info!(runs = ids.len(), "recovering runs that were not finished");
         }
+        // The per-tenant count only matters under a limit; without one, start-up does not read
+        // every checkpoint twice (the run's actor reads it anyway).
+        let counted = self.inner.config.max_active_runs_per_tenant.is_some();
         for id in ids {
-            if let Some(cp) = self.inner.deps.store.load(&id).await? {
+            if counted && let Some(cp) = self.inner.deps.store.load(&id).await? {
                 self.count_active(&cp.tenant, 1);
             }
             let _ = self.inner.supervisor.cast(SupervisorMsg::Start {

@@ -140,6 +140,23 @@ pub fn check_seq(run: &RunId, last: u64, seqs: impl IntoIterator<Item = u64>) ->
     Ok(())
 }
 
+/// A `Corrupt` error naming the run and what was being done.
+pub(crate) fn corrupt(run: &RunId, what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Corrupt(format!("run {run}: {what}: {e}"))
+}
+
+/// Events as (seq, JSON), as the file and Redis stores write them.
+pub(crate) fn encode_events(run: &RunId, events: &[EventRecord]) -> Result<Vec<(u64, String)>> {
+    events
+        .iter()
+        .map(|e| {
+            serde_json::to_string(e)
+                .map(|json| (e.seq, json))
+                .map_err(|err| corrupt(run, "encoding event", err))
+        })
+        .collect()
+}
+
 /// Store failures. Every variant says what happened to the write: conflicts and fencing mean
 /// it was not applied; `Unavailable` means it may or may not have been.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

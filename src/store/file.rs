@@ -31,7 +31,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage, check_seq,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, corrupt, encode_events,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -147,10 +147,6 @@ fn db_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Unavailable(format!("file store: {what}: {e}"))
 }
 
-fn corrupt(run: &RunId, what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Corrupt(format!("run {run}: {what}: {e}"))
-}
-
 fn last_seq<T: ReadableTable<(&'static str, u64), &'static str>>(
     table: &T,
     run: &RunId,
@@ -165,18 +161,6 @@ fn last_seq<T: ReadableTable<(&'static str, u64), &'static str>>(
         }
         None => Ok(0),
     }
-}
-
-/// Events as (seq, JSON), encoded by the caller so the writer only checks and writes.
-fn encode_events(run: &RunId, events: &[EventRecord]) -> Result<Vec<(u64, String)>> {
-    events
-        .iter()
-        .map(|e| {
-            serde_json::to_string(e)
-                .map(|json| (e.seq, json))
-                .map_err(|err| corrupt(run, "encoding event", err))
-        })
-        .collect()
 }
 
 fn decode(run: &RunId, json: &str) -> Result<Checkpoint> {

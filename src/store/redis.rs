@@ -19,7 +19,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use super::keys::{DEFAULT_NAMESPACE, Keys};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage,
+    EventRecord, Lease, Result, RunFilter, RunPage, corrupt, encode_events,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -244,10 +244,6 @@ fn timed_out(what: &str, d: Duration) -> Error {
     Error::Unavailable(format!("redis: {what}: no reply within {d:?}"))
 }
 
-fn corrupt(run: &RunId, what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Corrupt(format!("run {run}: {what}: {e}"))
-}
-
 /// Parses a script's `{code, detail}` reply.
 fn parse_reply(v: Value) -> std::result::Result<(i64, String), String> {
     ::redis::from_redis_value::<(i64, String)>(v)
@@ -279,17 +275,6 @@ fn commit_outcome(run: &RunId, expected: u64, token: u64, code: i64, detail: &st
 
 fn terminal_arg(c: &Checkpoint) -> &'static str {
     if c.terminal { "1" } else { "0" }
-}
-
-fn encode_events(run: &RunId, events: &[EventRecord]) -> Result<Vec<(u64, String)>> {
-    events
-        .iter()
-        .map(|e| {
-            serde_json::to_string(e)
-                .map(|j| (e.seq, j))
-                .map_err(|err| corrupt(run, "encoding event", err))
-        })
-        .collect()
 }
 
 impl RedisStore {
