@@ -530,6 +530,14 @@ impl RuntimeHandle {
                         break;
                     }
                 }
+                // A finished run whose every event has been sent: nothing more will come (this
+                // also covers a client resuming after the terminal event).
+                if let Ok(Some(cp)) = deps.store.load(&id).await
+                    && cp.terminal
+                    && last >= cp.version
+                {
+                    return;
+                }
                 // Then live, until a gap or a lag sends us back to the store.
                 loop {
                     let next = tokio::time::timeout(Duration::from_secs(15), live.recv()).await;

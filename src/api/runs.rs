@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
-use futures::stream::{self, BoxStream};
+use futures::stream::BoxStream;
 use serde_json::Value;
 
 use super::AppState;
@@ -257,38 +257,35 @@ pub async fn events(
         ),
     };
     let after = last_event_id.or(q.after).unwrap_or(0);
-    let run = s.runtime.get_run(&tenant, &id).await?;
     tracing::debug!(run_id = %id, after, "SSE stream opened");
-    let stream: BoxStream<'static, Result<Event, Infallible>> =
-        if run.is_terminal() && after >= run.version {
-            // Nothing will follow the terminal event.
-            stream::empty().boxed()
-        } else {
-            let follow = s.runtime.follow(&tenant, &id, after).await?;
-            follow
-                .enumerate()
-                .scan(false, |failed, (i, item)| {
-                    if *failed {
-                        return futures::future::ready(None);
+    // The stream ends by itself after the terminal event (or at once when the client resumes
+    // after it).
+    let stream: BoxStream<'static, Result<Event, Infallible>> = {
+        let follow = s.runtime.follow(&tenant, &id, after).await?;
+        follow
+            .enumerate()
+            .scan(false, |failed, (i, item)| {
+                if *failed {
+                    return futures::future::ready(None);
+                }
+                let ev = match item {
+                    Ok(e) => sse_event(&e, i == 0),
+                    Err(err) => {
+                        *failed = true;
+                        let api = ApiError::from(err);
+                        Event::default()
+                            .event("error")
+                            .json_data(
+                                serde_json::json!({"code": api.code, "message": api.message}),
+                            )
+                            .unwrap_or_default()
                     }
-                    let ev = match item {
-                        Ok(e) => sse_event(&e, i == 0),
-                        Err(err) => {
-                            *failed = true;
-                            let api = ApiError::from(err);
-                            Event::default()
-                                .event("error")
-                                .json_data(
-                                    serde_json::json!({"code": api.code, "message": api.message}),
-                                )
-                                .unwrap_or_default()
-                        }
-                    };
-                    futures::future::ready(Some(Ok(ev)))
-                })
-                .take_until(s.shutdown.clone().cancelled_owned())
-                .boxed()
-        };
+                };
+                futures::future::ready(Some(Ok(ev)))
+            })
+            .take_until(s.shutdown.clone().cancelled_owned())
+            .boxed()
+    };
     Ok(Sse::new(stream)
         .keep_alive(
             KeepAlive::new()

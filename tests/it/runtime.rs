@@ -82,6 +82,13 @@ async fn a_run_with_two_tool_calls_succeeds() {
     assert_eq!(run.usage.tool_calls, 2);
     assert_eq!(run.usage.turns, 3);
     assert_eq!(ledger.total(), 1);
+    // Following a finished run from its last event ends at once, with nothing.
+    use futures::StreamExt;
+    let rest = h.handle.follow(TENANT, &id, run.version).await.unwrap();
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(5), rest.collect())
+        .await
+        .expect("the follow stream of a finished run did not end");
+    assert!(rest.is_empty());
     let kinds = check_log(&h, &id).await;
     assert_eq!(
         kinds,
