@@ -3,11 +3,11 @@
 
 use agentd::ids::RunId;
 use agentd::model::{ModelReply, ModelToolCall};
-use agentd::run::actor::{CheckpointWriter, checkpoint_of};
 use agentd::run::machine::{
     ArgumentError, Policy, RunEvent, StepContext, ToolCatalog, ToolInfo, ToolLookup, step,
 };
 use agentd::run::{Budget, RunState};
+use agentd::runtime::actor::{CheckpointWriter, checkpoint_of};
 use agentd::tool::{ToolEffect, ToolResult};
 use serde_json::{Value, json};
 

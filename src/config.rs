@@ -19,8 +19,8 @@ use crate::model::scripted::{CassetteReply, Rule};
 use crate::pool::PoolSize;
 use crate::run::Policy;
 use crate::run::progress::ProgressPolicy;
-use crate::run::supervisor::RestartPolicy;
 use crate::runtime::RuntimeConfig;
+use crate::runtime::supervisor::RestartPolicy;
 
 /// Prefix of environment overrides: `AGENTD__SERVER__LISTEN=0.0.0.0:7700`.
 pub const ENV_PREFIX: &str = "AGENTD__";

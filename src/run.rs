@@ -1,13 +1,11 @@
-//! One run's lifecycle: the pure core (`state`, `machine`, `decision`, `budget`, `progress`,
-//! `verify`) and the actors that carry out its effects (`actor`, `supervisor`).
+//! One run's lifecycle as pure functions: `state`, `machine`, `decision`, `budget`, `progress`,
+//! `verify`. Nothing under `run/` does I/O; the actors that carry out effects live in `runtime/`.
 
-pub mod actor;
 pub mod budget;
 pub mod decision;
 pub mod machine;
 pub mod progress;
 pub mod state;
-pub mod supervisor;
 pub mod verify;
 
 pub use budget::{Budget, Usage};

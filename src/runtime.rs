@@ -3,6 +3,10 @@
 //! `RuntimeHandle`, the one public way to start, observe and control runs. The HTTP API and the
 //! tests use nothing else.
 
+pub mod actor;
+pub mod follow;
+pub mod supervisor;
+
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -14,7 +18,6 @@ use ractor::concurrency::JoinHandle;
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef};
 use serde_json::Value;
-use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::agent::{self, Agent, AgentSpec};
@@ -26,10 +29,10 @@ use crate::model::gateway::{GatewayConfig, ModelGateway, ModelLimits};
 use crate::model::{Message, ModelProvider, ToolDefinition};
 use crate::pool::PoolSize;
 use crate::redact::Redactor;
-use crate::run::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
 use crate::run::machine::InvalidTransition;
-use crate::run::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
 use crate::run::{Budget, Policy, RunState, Status};
+use crate::runtime::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
+use crate::runtime::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
 use crate::store::{self, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
 use crate::tool::executor::ToolExecutor;
 use crate::tool::registry::Registry;
@@ -501,73 +504,7 @@ impl RuntimeHandle {
         after: u64,
     ) -> Result<ReceiverStream<Result<EventRecord, Error>>, Error> {
         self.get_run(tenant, id).await?;
-        let (tx, rx) = mpsc::channel(64);
-        let deps = self.inner.deps.clone();
-        let id = id.clone();
-        tokio::spawn(async move {
-            // Subscribe before reading the store, so nothing falls between the two.
-            let mut live = deps.hub.subscribe(&id);
-            let mut last = after;
-            loop {
-                // Catch up from the store.
-                loop {
-                    let batch = match deps.store.read(&id, last, 256).await {
-                        Ok(b) => b,
-                        Err(e) => {
-                            let _ = tx.send(Err(e.into())).await;
-                            return;
-                        }
-                    };
-                    let n = batch.len();
-                    for e in batch {
-                        last = e.seq;
-                        let end = is_terminal_kind(&e.kind);
-                        if tx.send(Ok(e)).await.is_err() || end {
-                            return;
-                        }
-                    }
-                    if n < 256 {
-                        break;
-                    }
-                }
-                // A finished run whose every event has been sent: nothing more will come (this
-                // also covers a client resuming after the terminal event).
-                if let Ok(Some(cp)) = deps.store.load(&id).await
-                    && cp.terminal
-                    && last >= cp.version
-                {
-                    return;
-                }
-                // Then live, until a gap or a lag sends us back to the store.
-                loop {
-                    let next = tokio::time::timeout(Duration::from_secs(15), live.recv()).await;
-                    match next {
-                        Ok(Ok(e)) if e.seq <= last => continue,
-                        Ok(Ok(e)) if e.seq == last + 1 => {
-                            last = e.seq;
-                            let end = is_terminal_kind(&e.kind);
-                            if tx.send(Ok(e)).await.is_err() || end {
-                                return;
-                            }
-                        }
-                        Ok(Ok(_)) | Ok(Err(broadcast::error::RecvError::Lagged(_))) => break,
-                        Ok(Err(broadcast::error::RecvError::Closed)) => {
-                            // The run ended (or the hub dropped us): finish from the store.
-                            live = deps.hub.subscribe(&id);
-                            break;
-                        }
-                        Err(_) => {
-                            // Quiet for a while: check the store (and the client) again.
-                            if tx.is_closed() {
-                                return;
-                            }
-                            break;
-                        }
-                    }
-                }
-            }
-        });
-        Ok(ReceiverStream::new(rx))
+        Ok(follow::stream(self.inner.deps.clone(), id.clone(), after))
     }
 
     /// Waits until the run satisfies `done` (checked after every event), or `timeout`.

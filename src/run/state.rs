@@ -218,7 +218,7 @@ pub struct RunState {
     pub version: u64,
     /// The conversation so far (instructions are added by the context builder, not stored).
     /// Append-only, and the last field, so a checkpoint can reuse the serialized prefix (see
-    /// `run::actor::CheckpointWriter`).
+    /// `runtime::actor::CheckpointWriter`).
     pub messages: Vec<Message>,
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use agentd::agent::AgentSpec;
 use agentd::model::scripted::ScriptedModel;
 use agentd::model::{ModelProvider, ModelReply, ModelToolCall};
-use agentd::run::actor::FaultInjector;
+use agentd::runtime::actor::FaultInjector;
 use agentd::runtime::{NewRun, Runtime, RuntimeConfig, RuntimeHandle, RuntimeParts};
 use agentd::store::SharedStore;
 use agentd::store::memory::MemoryStore;

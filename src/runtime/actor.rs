@@ -19,9 +19,6 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio_util::sync::CancellationToken;
 
-use super::machine::{Effect, InvalidTransition, Policy, RunEvent, StepContext, step};
-use super::state::RunState;
-use super::verify::verify_all;
 use crate::agent::Agent;
 use crate::clock::now_ms;
 use crate::hub::Hub;
@@ -30,6 +27,9 @@ use crate::metrics::Metrics;
 use crate::model::gateway::ModelGateway;
 use crate::model::{ModelRequest, ToolChoice};
 use crate::redact::Redactor;
+use crate::run::machine::{Effect, InvalidTransition, Policy, RunEvent, StepContext, step};
+use crate::run::state::RunState;
+use crate::run::verify::verify_all;
 use crate::store::{self, Checkpoint, Control, EventRecord, Lease, SharedStore};
 use crate::tool::executor::{ToolExecutor, ToolOutcome, ToolWork};
 use crate::tool::{ToolContext, ToolError, ToolErrorCode, ToolResult};
@@ -344,7 +344,7 @@ impl Actor for RunActor {
         }
         let waiting = matches!(
             live.run.status,
-            super::state::Status::WaitingApproval | super::state::Status::WaitingInput
+            crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
         );
         let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
             Boot::Start => Some(RunEvent::Start),
@@ -542,7 +542,7 @@ fn schedule_passivation(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &Live) 
 fn is_idle_waiting(live: &Live) -> bool {
     matches!(
         live.run.status,
-        super::state::Status::WaitingApproval | super::state::Status::WaitingInput
+        crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
     ) && live.tools_in_flight == 0
         && !live.reloading
         && !live.finishing
@@ -559,7 +559,7 @@ fn passivate(myself: &ActorRef<RunMsg>, live: &Live, version: u64) {
         .run
         .calls
         .iter()
-        .filter(|c| c.status == super::state::CallStatus::AwaitingApproval)
+        .filter(|c| c.status == crate::run::state::CallStatus::AwaitingApproval)
         .filter_map(|c| {
             let after = live.agent.tools.tool(&c.tool)?.spec().approval_timeout?;
             Some(
@@ -728,11 +728,11 @@ async fn apply(
 /// Arms one expiry timer per call awaiting approval whose tool has an `approval_timeout`,
 /// counted from when the call began waiting (so a restart does not extend it).
 fn arm_approval_timers(myself: &ActorRef<RunMsg>, live: &mut Live, now: u64) {
-    if live.run.status != super::state::Status::WaitingApproval {
+    if live.run.status != crate::run::state::Status::WaitingApproval {
         return;
     }
     for c in &live.run.calls {
-        if c.status != super::state::CallStatus::AwaitingApproval
+        if c.status != crate::run::state::CallStatus::AwaitingApproval
             || live.approval_timers.contains(&c.call_id)
         {
             continue;
@@ -792,7 +792,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
         Effect::ExecuteTool { epoch, call_id } | Effect::CheckStatus { epoch, call_id } => {
             let status_check = matches!(
                 effect_kind(&call_id, run),
-                Some(super::state::CallStatus::Reconciling)
+                Some(crate::run::state::CallStatus::Reconciling)
             );
             let Some(call) = run.call(&call_id) else {
                 tracing::error!(run = %run.id, %call_id, "effect names a call that is not in the batch");
@@ -892,7 +892,10 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
     }
 }
 
-fn effect_kind(call_id: &crate::ids::CallId, run: &RunState) -> Option<super::state::CallStatus> {
+fn effect_kind(
+    call_id: &crate::ids::CallId,
+    run: &RunState,
+) -> Option<crate::run::state::CallStatus> {
     run.call(call_id).map(|c| c.status)
 }
 
