@@ -1,7 +1,7 @@
 //! Runtime counters and latency histograms, lock-free, rendered in the Prometheus text format.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::run::Status;
@@ -77,6 +77,16 @@ pub struct Metrics {
     pub tool_latency: Histogram,
     pub model_errors: AtomicU64,
     pub tool_errors: AtomicU64,
+    /// Runs paused now because the store does not answer (they continue when it does).
+    pub paused_runs: AtomicI64,
+    /// Runs this node took over from another node (dead owner, released, or queued).
+    pub takeovers: AtomicU64,
+    /// Runs this node left to others because its definition of their agent differs.
+    pub agent_mismatches: AtomicU64,
+    /// Lease renewal rounds that failed (store unavailable).
+    pub lease_renewal_failures: AtomicU64,
+    /// Runs whose lease this node found taken by another node.
+    pub leases_lost: AtomicU64,
 }
 
 fn status_index(s: Status) -> usize {
@@ -145,6 +155,39 @@ impl Metrics {
             "# HELP agentd_live_runs Run actors alive now.\n# TYPE agentd_live_runs gauge\nagentd_live_runs {}",
             self.live_runs.load(Ordering::Relaxed)
         );
+        let _ = writeln!(
+            out,
+            "# HELP agentd_paused_runs Runs paused because the store does not answer.\n# TYPE agentd_paused_runs gauge\nagentd_paused_runs {}",
+            self.paused_runs.load(Ordering::Relaxed).max(0)
+        );
+        for (name, help, v) in [
+            (
+                "agentd_run_takeovers_total",
+                "Runs this node took over from another node or from the queue of new runs.",
+                &self.takeovers,
+            ),
+            (
+                "agentd_agent_mismatch_total",
+                "Runs left to other nodes because this node's agent definition differs.",
+                &self.agent_mismatches,
+            ),
+            (
+                "agentd_lease_renewal_failures_total",
+                "Lease renewal rounds that failed because the store did not answer.",
+                &self.lease_renewal_failures,
+            ),
+            (
+                "agentd_leases_lost_total",
+                "Runs whose lease this node found taken by another node.",
+                &self.leases_lost,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
         self.step_latency.render(
             out,
             "agentd_step_latency_seconds",

@@ -9,5 +9,8 @@ pub mod state;
 pub mod verify;
 
 pub use budget::{Budget, Usage};
-pub use machine::{Effect, InvalidTransition, Policy, RunEvent, StepContext, Transition, step};
-pub use state::{CallStatus, PendingCall, Phase, RunError, RunState, Status};
+pub use machine::{
+    ControlStep, Effect, InvalidTransition, Policy, RunEvent, StepContext, Transition,
+    apply_control, step,
+};
+pub use state::{CallStatus, ControlRefusal, PendingCall, Phase, RunError, RunState, Status};

@@ -153,16 +153,34 @@ impl From<store::Error> for Error {
 
 impl From<InvalidTransition> for Error {
     fn from(e: InvalidTransition) -> Self {
-        match e.code {
-            "unknown_call" => Error::UnknownCall(e.message),
-            "invalid_argument" => Error::InvalidArgument(e.message),
-            "input_queue_full" => Error::InputQueueFull(e.message),
-            _ => Error::InvalidState {
-                status: e.status,
-                message: e.message,
-            },
+        Error::from_refusal(e.code, e.message, e.status)
+    }
+}
+
+impl Error {
+    /// The error for a control the run refused with `code`.
+    fn from_refusal(code: &str, message: String, status: Status) -> Self {
+        match code {
+            "unknown_call" => Error::UnknownCall(message),
+            "invalid_argument" => Error::InvalidArgument(message),
+            "input_queue_full" => Error::InputQueueFull(message),
+            _ => Error::InvalidState { status, message },
         }
     }
+}
+
+/// The answer to the control stored at inbox `seq`, read from the run's committed state.
+fn control_outcome(run: RunState, seq: u64) -> Result<RunState, Error> {
+    if let Some(r) = run.refusal(seq) {
+        return Err(Error::from_refusal(&r.code, r.message.clone(), run.status));
+    }
+    if seq > run.controls_applied && run.is_terminal() {
+        return Err(Error::InvalidState {
+            status: run.status,
+            message: "the run has already ended".into(),
+        });
+    }
+    Ok(run)
 }
 
 /// Budget fields a client may set on a new run (each capped by nothing but itself).
@@ -551,6 +569,9 @@ impl RuntimeHandle {
             .await
     }
 
+    /// Stores the control in the run's inbox, wakes the run, and answers with what happened to
+    /// that control: applied (the state after it), refused (why), or — when the run could not
+    /// answer within `control_timeout` — stored, to be applied in inbox order.
     async fn control(&self, tenant: &str, id: &RunId, control: Control) -> Result<RunState, Error> {
         let inner = &self.inner;
         let seq = inner.deps.store.push_control(id, &control).await?;
@@ -560,7 +581,6 @@ impl RuntimeHandle {
                 |reply| SupervisorMsg::Control {
                     id: id.clone(),
                     seq,
-                    control,
                     reply,
                 },
                 Some(inner.config.control_timeout),
@@ -569,13 +589,15 @@ impl RuntimeHandle {
         match sent {
             Ok(CallResult::Success(Ok(run))) => Ok(run),
             Ok(CallResult::Success(Err(e))) => Err(e.into()),
-            // Stored durably: it will be applied; answer with what is committed now.
-            Ok(CallResult::Timeout) | Ok(CallResult::SenderError) => self.get_run(tenant, id).await,
+            // Stored durably: answer with what the store says happened to it so far.
+            Ok(CallResult::Timeout) | Ok(CallResult::SenderError) => {
+                let run = self.get_run(tenant, id).await?;
+                control_outcome(run, seq)
+            }
             Err(_) => Err(Error::ShuttingDown),
         }
     }
 
-    /// Cancels a run. Cancelling a cancelled run answers the same; any other end is a conflict.
     pub async fn cancel(
         &self,
         tenant: &str,

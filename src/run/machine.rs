@@ -38,6 +38,7 @@
 //! | waiting_input | Input | next turn | CallModel | input_received |
 //! | running, waiting_* | Resume | re-issue in-flight work by tool policy | CallModel / ExecuteTool / CheckStatus / Verify | run_resumed |
 //! | * | Cancel | cancelled | AbortInFlight, Finish | run_cancelled |
+//! | * | a control that does not fit (`apply_control`) | same, the control consumed | — | control_refused |
 //! | * | Abort | failed (given code) | AbortInFlight, Finish | run_failed |
 //! | * | DeadlineReached | failed (`budget_exceeded`) | AbortInFlight, Finish | run_failed |
 //! | * | a reply with a stale epoch or for another phase | same | — | late_result_ignored |
@@ -53,7 +54,10 @@ use serde_json::{Map, Value, json};
 use super::budget::{self, Exhausted};
 use super::decision::{Decision, decide};
 use super::progress::{CallOutcome, ProgressPolicy, Verdict};
-use super::state::{CallStatus, PendingCall, Phase, RunError, RunState, Status};
+use super::state::{
+    CallStatus, ControlRefusal, MAX_CONTROL_REFUSALS, PendingCall, Phase, RunError, RunState,
+    Status,
+};
 use crate::idempotency::{call_fingerprint, idempotency_key};
 use crate::ids::CallId;
 use crate::model::{Message, ModelError, ModelErrorKind, ModelReply, ToolChoice};
@@ -358,6 +362,87 @@ pub fn step(
     state.version += 1;
     state.updated_at_ms = cx.now_ms;
     Ok(t)
+}
+
+/// What one control from the run's inbox does to the run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlStep {
+    /// It applied: commit this transition (it has already consumed the control).
+    Applied(Transition),
+    /// The same decision was already taken (a repeated approval or rejection, a cancel of a
+    /// cancelled run): the control is consumed and answered like the first one; nothing to
+    /// commit on its own.
+    Repeated,
+    /// It does not fit the run: consumed and answered with the error. With a transition
+    /// (`control_refused`) to commit, so the answer survives a crash; a finished run commits
+    /// nothing (its terminal event stays its last one).
+    Refused(Option<Transition>, InvalidTransition),
+}
+
+/// Applies the control stored at inbox position `seq`. Controls must be applied strictly in
+/// inbox order, each once: `seq` must be the next one after `controls_applied`.
+pub fn apply_control(
+    state: &mut RunState,
+    seq: u64,
+    control: Control,
+    cx: &StepContext<'_>,
+) -> ControlStep {
+    debug_assert!(
+        seq > state.controls_applied,
+        "controls apply in inbox order"
+    );
+    if is_repeat(state, &control) {
+        state.controls_applied = seq;
+        return ControlStep::Repeated;
+    }
+    let event = RunEvent::from(control);
+    let name = event.name();
+    match step(state, event, cx) {
+        Ok(mut t) => {
+            state.controls_applied = seq;
+            if let Value::Object(m) = &mut t.data {
+                m.insert("control_seq".into(), json!(seq));
+            }
+            ControlStep::Applied(t)
+        }
+        Err(e) => {
+            state.controls_applied = seq;
+            if state.is_terminal() {
+                return ControlStep::Refused(None, e);
+            }
+            state.control_refusals.push(ControlRefusal {
+                seq,
+                code: e.code.to_owned(),
+                message: e.message.clone(),
+            });
+            let excess = state
+                .control_refusals
+                .len()
+                .saturating_sub(MAX_CONTROL_REFUSALS);
+            state.control_refusals.drain(..excess);
+            state.version += 1;
+            state.updated_at_ms = cx.now_ms;
+            let t = out(
+                "control_refused",
+                json!({
+                    "control": name, "control_seq": seq, "code": e.code, "message": e.message,
+                    "status": state.status.as_str(), "phase": state.phase.map(Phase::as_str),
+                }),
+                vec![],
+            );
+            ControlStep::Refused(Some(t), e)
+        }
+    }
+}
+
+/// Whether `control` repeats a decision the run already took.
+fn is_repeat(state: &RunState, control: &Control) -> bool {
+    match control {
+        Control::Cancel { .. } => state.status == Status::Cancelled,
+        Control::Approve { call_id, .. } => state.decided.contains(&(call_id.clone(), true)),
+        Control::Reject { call_id, .. } => state.decided.contains(&(call_id.clone(), false)),
+        Control::Input { .. } => false,
+    }
 }
 
 fn invalid(state: &RunState, code: &'static str, message: String) -> InvalidTransition {

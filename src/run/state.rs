@@ -153,6 +153,17 @@ impl RunError {
     }
 }
 
+/// How many refused controls a run remembers (older ones are answered from the event log).
+pub const MAX_CONTROL_REFUSALS: usize = 64;
+
+/// A control the run consumed without applying it: it did not fit the run's state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlRefusal {
+    pub seq: u64,
+    pub code: String,
+    pub message: String,
+}
+
 /// The whole state of one run. Serialized as the checkpoint body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunState {
@@ -206,9 +217,17 @@ pub struct RunState {
     /// the same answer after its batch is over.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decided: Vec<(CallId, bool)>,
-    /// Highest control-inbox seq already applied.
+    /// Highest control-inbox seq already consumed (applied, repeated or refused).
     #[serde(default)]
     pub controls_applied: u64,
+    /// The most recent refused controls (inbox seq, code, message), so the answer to a control
+    /// can be read back after a crash or from another node. Bounded by `MAX_CONTROL_REFUSALS`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub control_refusals: Vec<ControlRefusal>,
+    /// Digest of the agent definition the run started with (instructions, model, tool schemas,
+    /// budgets); a node whose definition differs does not take the run over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_digest: Option<String>,
     /// Times this run was restarted after a crash.
     #[serde(default)]
     pub restarts: u32,
@@ -223,6 +242,11 @@ pub struct RunState {
 }
 
 impl RunState {
+    /// Why the control at inbox `seq` was refused, if it was (and is still remembered).
+    pub fn refusal(&self, seq: u64) -> Option<&ControlRefusal> {
+        self.control_refusals.iter().find(|r| r.seq == seq)
+    }
+
     /// A new run in `created`, at version 1 (its `run_created` event).
     pub fn new(
         id: RunId,
@@ -259,6 +283,8 @@ impl RunState {
             succeeded_tools: Vec::new(),
             decided: Vec::new(),
             controls_applied: 0,
+            control_refusals: Vec::new(),
+            agent_digest: None,
             restarts: 0,
             created_at_ms: now_ms,
             updated_at_ms: now_ms,

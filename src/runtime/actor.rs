@@ -27,10 +27,13 @@ use crate::metrics::Metrics;
 use crate::model::gateway::ModelGateway;
 use crate::model::{ModelRequest, ToolChoice};
 use crate::redact::Redactor;
-use crate::run::machine::{Effect, InvalidTransition, Policy, RunEvent, StepContext, step};
+use crate::run::machine::{
+    ControlStep, Effect, InvalidTransition, Policy, RunEvent, StepContext, Transition,
+    apply_control, step,
+};
 use crate::run::state::RunState;
 use crate::run::verify::verify_all;
-use crate::store::{self, Checkpoint, Control, EventRecord, Lease, SharedStore};
+use crate::store::{self, Checkpoint, EventRecord, Lease, SharedStore};
 use crate::tool::executor::{ToolExecutor, ToolOutcome, ToolWork};
 use crate::tool::{ToolContext, ToolError, ToolErrorCode, ToolResult};
 
@@ -42,22 +45,24 @@ pub struct RunActor;
 pub enum RunMsg {
     /// A pool reply or a timer.
     Event(RunEvent),
-    /// A control message already stored in the run's inbox at `seq`.
-    Control {
-        seq: u64,
-        control: Control,
-        reply: Option<RpcReplyPort<ControlReply>>,
+    /// Controls were stored in the run's inbox. A wake-up only: the actor reads every entry
+    /// after its applied mark and applies them strictly in inbox order; `reply` is answered
+    /// once the entry at its seq has been consumed.
+    Controls {
+        reply: Option<(u64, RpcReplyPort<ControlReply>)>,
     },
     /// The run's current state.
     Get(RpcReplyPort<RunState>),
     /// After a failed commit: read the checkpoint back and continue from it.
     Reload,
+    /// The store did not answer while the actor was starting: try again.
+    RetryBoot,
     /// The run has been waiting (approval or input) since `version`: if nothing changed, stop
     /// the actor; the run stays in the store and is rehydrated by its next message.
     Passivate { version: u64 },
 }
 
-/// The answer to a control message: the state after it, or why it did not apply.
+/// The answer to a control: the state after it was consumed, or why it did not apply.
 pub type ControlReply = Result<RunState, InvalidTransition>;
 
 /// How the actor begins.
@@ -74,23 +79,62 @@ pub enum Boot {
     Rehydrate,
 }
 
-/// The stop reason of a passivated run: `passivated:<wake_at_ms>` (0 = no timer due), so the
-/// supervisor can bring it back when its deadline or an approval expiry falls due.
-pub const PASSIVATED: &str = "passivated";
-
-/// Encodes a passivation stop reason.
-pub fn passivated_reason(wake_at_ms: Option<u64>) -> String {
-    format!("{PASSIVATED}:{}", wake_at_ms.unwrap_or(0))
+/// Why a run actor stopped itself. ractor carries stop reasons as strings, so this is encoded
+/// by `encode` and read back by `decode`; nothing else parses them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The run ended (and late results were waited for).
+    Finished,
+    /// The checkpoint was already terminal when the actor started.
+    AlreadyTerminal,
+    /// The run waits for an operator and gave up its actor; `wake_at_ms` is when its deadline
+    /// or an approval expiry needs it back.
+    Passivated { wake_at_ms: Option<u64> },
+    /// Another node holds the run's lease.
+    LeasedElsewhere,
+    /// Another writer fenced this one out: the run belongs to someone else now.
+    LeaseLost,
+    /// This node's definition of the run's agent differs from the one the run started with.
+    AgentMismatch,
+    /// The runtime is shutting down; the run stays checkpointed.
+    Shutdown,
 }
 
-/// Decodes a stop reason: `Some(wake_at)` if the run was passivated.
-pub fn parse_passivated(reason: &str) -> Option<Option<u64>> {
-    let at = reason
-        .strip_prefix(PASSIVATED)?
-        .strip_prefix(':')?
-        .parse::<u64>()
-        .ok()?;
-    Some((at > 0).then_some(at))
+impl StopReason {
+    pub fn encode(self) -> String {
+        match self {
+            StopReason::Finished => "finished".into(),
+            StopReason::AlreadyTerminal => "terminal".into(),
+            StopReason::Passivated { wake_at_ms } => {
+                format!("passivated:{}", wake_at_ms.unwrap_or(0))
+            }
+            StopReason::LeasedElsewhere => "leased_elsewhere".into(),
+            StopReason::LeaseLost => "lease_lost".into(),
+            StopReason::AgentMismatch => "agent_mismatch".into(),
+            StopReason::Shutdown => "shutdown".into(),
+        }
+    }
+
+    pub fn decode(reason: Option<&str>) -> Option<StopReason> {
+        Some(match reason? {
+            "finished" => StopReason::Finished,
+            "terminal" => StopReason::AlreadyTerminal,
+            "leased_elsewhere" => StopReason::LeasedElsewhere,
+            "lease_lost" => StopReason::LeaseLost,
+            "agent_mismatch" => StopReason::AgentMismatch,
+            "shutdown" => StopReason::Shutdown,
+            other => {
+                let at = other.strip_prefix("passivated:")?.parse::<u64>().ok()?;
+                StopReason::Passivated {
+                    wake_at_ms: (at > 0).then_some(at),
+                }
+            }
+        })
+    }
+
+    fn stop(self, myself: &ActorRef<RunMsg>) {
+        myself.stop(Some(self.encode()));
+    }
 }
 
 /// Deliberate faults for chaos and supervision tests.
@@ -133,6 +177,10 @@ pub struct RunActorState {
     boot: Boot,
     deps: Arc<RunDeps>,
     live: Option<Live>,
+    /// Messages that arrived before the run was loaded (the store did not answer yet).
+    early: Vec<RunMsg>,
+    /// Start attempts that found the store down; the run is paused while this is non-zero.
+    boot_failures: u32,
 }
 
 struct Live {
@@ -155,6 +203,10 @@ struct Live {
     writer: CheckpointWriter,
     /// Calls whose approval-expiry timer is armed in this incarnation.
     approval_timers: HashSet<CallId>,
+    /// Control requests waiting for their inbox entry to be consumed.
+    waiters: Vec<(u64, RpcReplyPort<ControlReply>)>,
+    /// Refusals of this incarnation that are not in the state (a finished run commits none).
+    refused_here: HashMap<u64, InvalidTransition>,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -169,6 +221,8 @@ pub enum Error {
     Corrupt { run: RunId, message: String },
     #[error("run {run}: {source}")]
     Store { run: RunId, source: store::Error },
+    #[error("{0}")]
+    Bug(String),
 }
 
 /// Serializes the run into its stored form.
@@ -285,6 +339,8 @@ impl Actor for RunActor {
             boot: args.boot,
             deps: args.deps,
             live: None,
+            early: Vec::new(),
+            boot_failures: 0,
         })
     }
 
@@ -293,92 +349,7 @@ impl Actor for RunActor {
         myself: ActorRef<RunMsg>,
         st: &mut RunActorState,
     ) -> Result<(), ActorProcessingErr> {
-        let deps = st.deps.clone();
-        let id = st.id.clone();
-        let store_err = |source| Error::Store {
-            run: id.clone(),
-            source,
-        };
-        let cp = deps
-            .store
-            .load(&id)
-            .await
-            .map_err(store_err)?
-            .ok_or_else(|| Error::Missing(id.clone()))?;
-        let run = state_of(&cp).map_err(|e| Error::Corrupt {
-            run: id.clone(),
-            message: e.to_string(),
-        })?;
-        if run.is_terminal() {
-            myself.stop(Some("terminal".into()));
-            return Ok(());
-        }
-        let lease = match deps.store.claim(&id, &deps.node_id, deps.lease_ttl).await {
-            Ok(l) => l,
-            Err(store::Error::LeaseHeld { owner, .. }) => {
-                tracing::info!(run = %id, %owner, "run is owned by another node");
-                myself.stop(Some("leased_elsewhere".into()));
-                return Ok(());
-            }
-            Err(e) => return Err(store_err(e).into()),
-        };
-        let Some(agent) = deps.agents.get(&run.agent).cloned() else {
-            // The agent was removed from config: the run cannot continue.
-            let mut live = Live::new(run, lease, Arc::new(placeholder_agent()));
-            let event = RunEvent::Abort {
-                code: "unknown_agent".into(),
-                message: "the run's agent is no longer configured".into(),
-            };
-            deliver(&myself, &deps, &mut live, RunMsg::Event(event)).await?;
-            st.live = Some(live);
-            return Ok(());
-        };
-        let mut live = Live::new(run, lease, agent);
-        if let Some(deadline) = live.run.budget.deadline_ms {
-            let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
-            live.deadline_timer = Some(
-                myself
-                    .send_after(wait, || RunMsg::Event(RunEvent::DeadlineReached))
-                    .abort_handle(),
-            );
-        }
-        let waiting = matches!(
-            live.run.status,
-            crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
-        );
-        let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
-            Boot::Start => Some(RunEvent::Start),
-            Boot::Recover => Some(RunEvent::Resume),
-            Boot::Rehydrate if waiting => None,
-            Boot::Rehydrate => Some(RunEvent::Resume),
-            Boot::Abort { code, message } => Some(RunEvent::Abort { code, message }),
-        };
-        match boot {
-            Some(event) => deliver(&myself, &deps, &mut live, RunMsg::Event(event)).await?,
-            None => {
-                // Rehydrated while waiting: re-arm its timers and let it passivate again.
-                arm_approval_timers(&myself, &mut live, now_ms());
-                schedule_passivation(&myself, &deps, &live);
-            }
-        }
-        // Control messages stored but not yet applied (e.g. sent while the run was down).
-        if !live.run.is_terminal() {
-            let after = live.run.controls_applied;
-            let pending = deps.store.controls(&id, after).await.map_err(store_err)?;
-            for c in pending {
-                if live.run.is_terminal() {
-                    break;
-                }
-                let msg = RunMsg::Control {
-                    seq: c.seq,
-                    control: c.control,
-                    reply: None,
-                };
-                deliver(&myself, &deps, &mut live, msg).await?;
-            }
-        }
-        st.live = Some(live);
-        Ok(())
+        try_boot(&myself, st).await
     }
 
     async fn handle(
@@ -389,6 +360,12 @@ impl Actor for RunActor {
     ) -> Result<(), ActorProcessingErr> {
         let deps = st.deps.clone();
         let Some(live) = st.live.as_mut() else {
+            match msg {
+                RunMsg::RetryBoot => try_boot(&myself, st).await?,
+                // Still waiting for the store to load the run: keep it for afterwards.
+                msg if st.boot_failures > 0 => st.early.push(msg),
+                _ => {}
+            }
             return Ok(());
         };
         if let RunMsg::Event(RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }) = &msg
@@ -397,7 +374,7 @@ impl Actor for RunActor {
         }
         deliver(&myself, &deps, live, msg).await?;
         if live.finishing && live.tools_in_flight == 0 {
-            myself.stop(Some("finished".into()));
+            StopReason::Finished.stop(&myself);
         }
         Ok(())
     }
@@ -407,7 +384,13 @@ impl Actor for RunActor {
         _myself: ActorRef<RunMsg>,
         st: &mut RunActorState,
     ) -> Result<(), ActorProcessingErr> {
+        if st.boot_failures > 0 {
+            st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
+        }
         if let Some(live) = st.live.take() {
+            if live.reloading {
+                st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
+            }
             live.cancel.cancel();
             if let Some(t) = live.deadline_timer {
                 t.abort();
@@ -425,6 +408,153 @@ impl Actor for RunActor {
         }
         Ok(())
     }
+}
+
+/// Why loading a run did not finish.
+enum BootError {
+    /// The store did not answer: try again later; this is a wait, not a crash.
+    StoreDown(store::Error),
+    /// Missing or corrupt data, or a bug: the actor fails and the supervisor counts a crash.
+    Fatal(Error),
+}
+
+impl From<Error> for BootError {
+    fn from(e: Error) -> Self {
+        BootError::Fatal(e)
+    }
+}
+
+/// Loads and claims the run; while the store is down, retries with capped backoff (the run is
+/// counted as paused meanwhile) and keeps the messages that arrive.
+async fn try_boot(
+    myself: &ActorRef<RunMsg>,
+    st: &mut RunActorState,
+) -> Result<(), ActorProcessingErr> {
+    match boot(myself, st).await {
+        Ok(()) => {
+            if st.boot_failures > 0 {
+                st.boot_failures = 0;
+                st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
+                tracing::info!(run = %st.id, "store is back; the run continues");
+            }
+            let early = std::mem::take(&mut st.early);
+            if let Some(live) = st.live.as_mut() {
+                for msg in early {
+                    deliver(myself, &st.deps, live, msg).await?;
+                }
+            }
+            Ok(())
+        }
+        Err(BootError::StoreDown(e)) => {
+            if st.boot_failures == 0 {
+                st.deps.metrics.paused_runs.fetch_add(1, Ordering::Relaxed);
+            }
+            st.boot_failures += 1;
+            st.deps
+                .metrics
+                .store_retries
+                .fetch_add(1, Ordering::Relaxed);
+            let wait = capped_backoff(st.boot_failures);
+            tracing::warn!(run = %st.id, error = %e, ?wait, "store unavailable while starting the run; it is paused until the store answers");
+            myself.send_after(wait, || RunMsg::RetryBoot);
+            Ok(())
+        }
+        Err(BootError::Fatal(e)) => Err(e.into()),
+    }
+}
+
+async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), BootError> {
+    let deps = st.deps.clone();
+    let id = st.id.clone();
+    let down = |e: store::Error| -> BootError {
+        if e.is_retryable() {
+            BootError::StoreDown(e)
+        } else {
+            BootError::Fatal(Error::Store {
+                run: id.clone(),
+                source: e,
+            })
+        }
+    };
+    let cp = deps
+        .store
+        .load(&id)
+        .await
+        .map_err(down)?
+        .ok_or_else(|| Error::Missing(id.clone()))?;
+    let run = state_of(&cp).map_err(|e| Error::Corrupt {
+        run: id.clone(),
+        message: e.to_string(),
+    })?;
+    if run.is_terminal() {
+        StopReason::AlreadyTerminal.stop(myself);
+        return Ok(());
+    }
+    let lease = match deps.store.claim(&id, &deps.node_id, deps.lease_ttl).await {
+        Ok(l) => l,
+        Err(store::Error::LeaseHeld { owner, .. }) => {
+            tracing::info!(run = %id, %owner, "run is owned by another node");
+            StopReason::LeasedElsewhere.stop(myself);
+            return Ok(());
+        }
+        Err(e) => return Err(down(e)),
+    };
+    let Some(agent) = deps.agents.get(&run.agent).cloned() else {
+        // The agent was removed from config: the run cannot continue.
+        let mut live = Live::new(run, lease, Arc::new(placeholder_agent()));
+        let event = RunEvent::Abort {
+            code: "unknown_agent".into(),
+            message: "the run's agent is no longer configured".into(),
+        };
+        deliver(myself, &deps, &mut live, RunMsg::Event(event))
+            .await
+            .map_err(|e| Error::Bug(e.to_string()))?;
+        st.live = Some(live);
+        return Ok(());
+    };
+    let mut live = Live::new(run, lease, agent);
+    if let Some(deadline) = live.run.budget.deadline_ms {
+        let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
+        live.deadline_timer = Some(
+            myself
+                .send_after(wait, || RunMsg::Event(RunEvent::DeadlineReached))
+                .abort_handle(),
+        );
+    }
+    let waiting = matches!(
+        live.run.status,
+        crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
+    );
+    let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
+        Boot::Start => Some(RunEvent::Start),
+        Boot::Recover => Some(RunEvent::Resume),
+        Boot::Rehydrate if waiting => None,
+        Boot::Rehydrate => Some(RunEvent::Resume),
+        Boot::Abort { code, message } => Some(RunEvent::Abort { code, message }),
+    };
+    let bug = |e: ActorProcessingErr| BootError::Fatal(Error::Bug(e.to_string()));
+    match boot {
+        Some(event) => deliver(myself, &deps, &mut live, RunMsg::Event(event))
+            .await
+            .map_err(bug)?,
+        None => {
+            // Rehydrated while waiting: re-arm its timers and let it passivate again.
+            arm_approval_timers(myself, &mut live, now_ms());
+            schedule_passivation(myself, &deps, &live);
+        }
+    }
+    // Controls stored but not yet applied (e.g. sent while the run was down).
+    deliver(myself, &deps, &mut live, RunMsg::Controls { reply: None })
+        .await
+        .map_err(bug)?;
+    st.live = Some(live);
+    Ok(())
+}
+
+/// Exponential backoff from 200 ms to 5 s with jitter, for waits on the store.
+fn capped_backoff(failures: u32) -> Duration {
+    let ms = 100u64.saturating_mul(1 << failures.min(6)).min(5_000);
+    Duration::from_millis(ms / 2 + rand::random::<u64>() % (ms / 2 + 1))
 }
 
 /// An agent with no tools, standing in for one removed from config, so such a run can be
@@ -455,6 +585,8 @@ impl Live {
             held: Vec::new(),
             writer: CheckpointWriter::default(),
             approval_timers: HashSet::new(),
+            waiters: Vec::new(),
+            refused_here: HashMap::new(),
         }
     }
 }
@@ -479,7 +611,7 @@ async fn deliver(
         RunMsg::Reload => reload(myself, deps, live).await?,
         RunMsg::Event(event) => {
             let copy = event.clone();
-            match apply(myself, deps, live, event, None).await? {
+            match apply(myself, deps, live, event).await? {
                 Applied::Done | Applied::LostOwnership => {}
                 Applied::Rejected(e) => {
                     tracing::debug!(run = %live.run.id, error = %e, "event did not apply");
@@ -487,45 +619,140 @@ async fn deliver(
                 Applied::StoreDown => hold(myself, deps, live, RunMsg::Event(copy)),
             }
         }
-        RunMsg::Control {
-            seq,
-            control,
-            reply,
-        } => {
-            if seq <= live.run.controls_applied {
-                // Already applied (read from the inbox at start): the same outcome again.
-                if let Some(r) = reply {
-                    let _ = r.send(Ok(live.run.clone()));
-                }
+        RunMsg::Controls { reply } => {
+            if let Some(waiter) = reply {
+                live.waiters.push(waiter);
+            }
+            drain_inbox(myself, deps, live).await?;
+        }
+        // Only meaningful before the run is loaded (handled by the actor itself).
+        RunMsg::RetryBoot => {}
+    }
+    Ok(())
+}
+
+/// Applies every inbox entry after the applied mark, strictly in inbox order, then answers
+/// the waiters whose entries are consumed. Reads the inbox only when a waiter's entry is not
+/// consumed yet (or for a bare wake-up), so concurrent requests cost one read, not one each.
+async fn drain_inbox(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+) -> Result<(), ActorProcessingErr> {
+    let must_read = live.waiters.is_empty()
+        || live
+            .waiters
+            .iter()
+            .any(|(seq, _)| *seq > live.run.controls_applied);
+    if must_read && !live.run.is_terminal() {
+        let entries = match deps
+            .store
+            .controls(&live.run.id, live.run.controls_applied)
+            .await
+        {
+            Ok(entries) => entries,
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(run = %live.run.id, error = %e, "cannot read the control inbox; retrying when the store answers");
+                let wait = store_backoff(deps, live);
+                myself.send_after(wait, || RunMsg::Controls { reply: None });
                 return Ok(());
             }
-            let event = RunEvent::from(control.clone());
-            match apply(myself, deps, live, event, Some(seq)).await? {
-                Applied::Done => {
-                    if let Some(r) = reply {
-                        let _ = r.send(Ok(live.run.clone()));
+            Err(e) => {
+                return Err(Error::Store {
+                    run: live.run.id.clone(),
+                    source: e,
+                }
+                .into());
+            }
+        };
+        for entry in entries {
+            if entry.seq <= live.run.controls_applied {
+                continue;
+            }
+            if live.run.is_terminal() {
+                // A finished run takes no more controls; what is left is refused below.
+                break;
+            }
+            inject_fault(deps, live, &RunEvent::from(entry.control.clone()));
+            let (prev_version, prev_status) = (live.run.version, live.run.status);
+            let stepped = {
+                let cx = StepContext {
+                    now_ms: now_ms(),
+                    policy: &deps.policy,
+                    tools: &live.agent.tools,
+                };
+                apply_control(&mut live.run, entry.seq, entry.control, &cx)
+            };
+            let transition = match stepped {
+                ControlStep::Applied(t) => Some(t),
+                ControlStep::Repeated => None,
+                ControlStep::Refused(t, e) => {
+                    tracing::debug!(run = %live.run.id, seq = entry.seq, error = %e, "control refused");
+                    if t.is_none() {
+                        live.refused_here.insert(entry.seq, e);
                     }
+                    t
                 }
-                Applied::Rejected(e) => {
-                    // Consumed: not re-applied after a restart (persisted with the next commit).
-                    live.run.controls_applied = live.run.controls_applied.max(seq);
-                    if let Some(r) = reply {
-                        let _ = r.send(Err(e));
+            };
+            if let Some(t) = transition {
+                match commit_transition(myself, deps, live, t, prev_version, prev_status).await? {
+                    Applied::Done | Applied::Rejected(_) => {}
+                    Applied::StoreDown => {
+                        // Read back and drain again once the store answers (waiters stay).
+                        hold(myself, deps, live, RunMsg::Controls { reply: None });
+                        return Ok(());
                     }
+                    Applied::LostOwnership => return Ok(()),
                 }
-                Applied::StoreDown => {
-                    let msg = RunMsg::Control {
-                        seq,
-                        control,
-                        reply,
-                    };
-                    hold(myself, deps, live, msg);
-                }
-                Applied::LostOwnership => {}
             }
         }
     }
+    answer_waiters(live);
     Ok(())
+}
+
+/// Answers every waiter whose inbox entry has been consumed (or can no longer be applied
+/// because the run ended).
+fn answer_waiters(live: &mut Live) {
+    let applied = live.run.controls_applied;
+    let terminal = live.run.is_terminal();
+    let waiters = std::mem::take(&mut live.waiters);
+    for (seq, reply) in waiters {
+        let answer = if let Some(r) = live.run.refusal(seq) {
+            Err(InvalidTransition {
+                code: refusal_code(&r.code),
+                message: r.message.clone(),
+                status: live.run.status,
+            })
+        } else if let Some(e) = live.refused_here.get(&seq) {
+            Err(e.clone())
+        } else if seq <= applied {
+            Ok(live.run.clone())
+        } else if terminal {
+            Err(InvalidTransition {
+                code: "invalid_state",
+                message: format!(
+                    "run is {}; it accepts no controls",
+                    live.run.status.as_str()
+                ),
+                status: live.run.status,
+            })
+        } else {
+            live.waiters.push((seq, reply));
+            continue;
+        };
+        let _ = reply.send(answer);
+    }
+}
+
+/// The machine's static code for a stored refusal code.
+fn refusal_code(code: &str) -> &'static str {
+    match code {
+        "unknown_call" => "unknown_call",
+        "invalid_argument" => "invalid_argument",
+        "input_queue_full" => "input_queue_full",
+        _ => "invalid_state",
+    }
 }
 
 /// After a transition that leaves the run waiting for an operator, schedules its passivation.
@@ -573,7 +800,10 @@ fn passivate(myself: &ActorRef<RunMsg>, live: &Live, version: u64) {
         (a, b) => a.or(b),
     };
     tracing::debug!(run = %live.run.id, ?wake_at, "passivating a waiting run");
-    myself.stop(Some(passivated_reason(wake_at)));
+    StopReason::Passivated {
+        wake_at_ms: wake_at,
+    }
+    .stop(myself);
 }
 
 /// A commit failed: keep `msg`, stop taking new work, and read the checkpoint back later.
@@ -581,6 +811,7 @@ fn hold(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &mut Live, msg: RunMsg)
     live.held.push(msg);
     if !live.reloading {
         live.reloading = true;
+        deps.metrics.paused_runs.fetch_add(1, Ordering::Relaxed);
         // Requests in flight were issued by a state that may not have been stored.
         live.cancel.cancel();
         live.cancel = CancellationToken::new();
@@ -616,6 +847,7 @@ async fn reload(
     live.run = loaded;
     live.writer.reset();
     live.reloading = false;
+    deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
     live.store_failures = 0;
     live.tools_in_flight = 0;
     if !live.run.is_terminal() {
@@ -632,10 +864,7 @@ async fn reload(
 fn store_backoff(deps: &RunDeps, live: &mut Live) -> Duration {
     deps.metrics.store_retries.fetch_add(1, Ordering::Relaxed);
     live.store_failures += 1;
-    let ms = 100u64
-        .saturating_mul(1 << live.store_failures.min(6))
-        .min(5_000);
-    Duration::from_millis(ms / 2 + rand::random::<u64>() % (ms / 2 + 1))
+    capped_backoff(live.store_failures)
 }
 
 /// Steps, commits, publishes, then carries out the effects.
@@ -644,10 +873,27 @@ async fn apply(
     deps: &Arc<RunDeps>,
     live: &mut Live,
     event: RunEvent,
-    control_seq: Option<u64>,
 ) -> Result<Applied, ActorProcessingErr> {
+    inject_fault(deps, live, &event);
+    let (prev_version, prev_status) = (live.run.version, live.run.status);
+    let stepped = {
+        let cx = StepContext {
+            now_ms: now_ms(),
+            policy: &deps.policy,
+            tools: &live.agent.tools,
+        };
+        step(&mut live.run, event, &cx)
+    };
+    match stepped {
+        Ok(t) => commit_transition(myself, deps, live, t, prev_version, prev_status).await,
+        Err(e) => Ok(Applied::Rejected(e)),
+    }
+}
+
+/// Panics where a test's fault injector asks for it, before `event` is applied.
+fn inject_fault(deps: &RunDeps, live: &Live, event: &RunEvent) {
     if let Some(f) = &deps.faults
-        && f.panic_before(&live.run, &event)
+        && f.panic_before(&live.run, event)
     {
         panic!(
             "injected fault in run {} before {}",
@@ -655,23 +901,19 @@ async fn apply(
             event.name()
         );
     }
-    let now = now_ms();
-    let (prev_version, prev_status) = (live.run.version, live.run.status);
-    let stepped = {
-        let cx = StepContext {
-            now_ms: now,
-            policy: &deps.policy,
-            tools: &live.agent.tools,
-        };
-        step(&mut live.run, event, &cx)
-    };
-    let transition = match stepped {
-        Ok(t) => t,
-        Err(e) => return Ok(Applied::Rejected(e)),
-    };
-    if let Some(seq) = control_seq {
-        live.run.controls_applied = live.run.controls_applied.max(seq);
-    }
+}
+
+/// Commits the state `live.run` reached by `transition` with its one event, publishes it, then
+/// carries out the effects.
+async fn commit_transition(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+    transition: Transition,
+    prev_version: u64,
+    prev_status: crate::run::state::Status,
+) -> Result<Applied, ActorProcessingErr> {
+    let now = live.run.updated_at_ms;
     let mut data = transition.data;
     deps.redactor.redact_value_in_place(&mut data);
     let record = EventRecord {
@@ -698,16 +940,16 @@ async fn apply(
         .await;
     match committed {
         Ok(()) => live.store_failures = 0,
-        Err(e) if e.is_retryable() => {
-            // `live.run` now holds a state that may or may not be stored: it is replaced by
-            // the checkpoint read back on reload.
-            tracing::warn!(run = %live.run.id, error = %e, "commit failed; pausing the run until the store answers");
+        Err(e) if e.is_retryable() || matches!(e, store::Error::VersionConflict { .. }) => {
+            // `live.run` now holds a state that may or may not be stored (a conflict: the
+            // store holds a newer one): it is replaced by the checkpoint read back on reload.
+            tracing::warn!(run = %live.run.id, error = %e, "commit failed; pausing the run until its checkpoint is read back");
             return Ok(Applied::StoreDown);
         }
         Err(e) => {
             tracing::warn!(run = %live.run.id, error = %e, "lost ownership of the run; stopping its actor");
             live.cancel.cancel();
-            myself.stop(Some("lease_lost".into()));
+            StopReason::LeaseLost.stop(myself);
             return Ok(Applied::LostOwnership);
         }
     }
@@ -883,7 +1125,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 n.fetch_sub(1, Ordering::SeqCst);
             }
             if live.tools_in_flight == 0 {
-                myself.stop(Some("finished".into()));
+                StopReason::Finished.stop(myself);
             } else {
                 live.finishing = true;
                 myself.exit_after(LATE_RESULT_GRACE);

@@ -21,9 +21,8 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use serde::{Deserialize, Serialize};
 
-use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg, parse_passivated};
+use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg, StopReason};
 use crate::ids::RunId;
-use crate::store::Control;
 
 /// How often a crashing run is restarted before it fails with `crash_loop`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,13 +67,15 @@ pub struct RunSupervisor;
 pub enum SupervisorMsg {
     /// Start (or adopt) a run's actor.
     Start { id: RunId, boot: Boot },
-    /// Deliver a stored control message; the reply comes from the run's actor.
+    /// A control was stored at inbox `seq`: wake the run's actor (bringing it back if it is
+    /// not live); the reply comes from the actor once that entry is consumed.
     Control {
         id: RunId,
         seq: u64,
-        control: Control,
         reply: RpcReplyPort<ControlReply>,
     },
+    /// Controls were stored for the run (through another node): wake its actor.
+    Wake(RunId),
     /// A backoff timer fired: start the run again from its checkpoint.
     Respawn(RunId),
     /// Number of runs with a live or restarting actor.
@@ -139,6 +140,28 @@ impl SupervisorState {
                 // pre_start does no I/O, so this is a bug; count it as a crash.
                 tracing::error!(run = %id, error = %e, "run actor failed to start");
                 self.crashed(myself, id, e.to_string());
+            }
+        }
+    }
+
+    /// Sends `msg` to the run's actor; keeps it while the run restarts, and brings a run that is
+    /// not live here (passivated, or waiting since before a restart) back from its checkpoint.
+    async fn deliver(&mut self, myself: &ActorRef<SupervisorMsg>, id: RunId, msg: RunMsg) {
+        match self.runs.get_mut(&id) {
+            Some(Entry {
+                actor: Some(actor), ..
+            }) => {
+                if let Err(ractor::MessagingErr::SendErr(msg)) = actor.send_message(msg) {
+                    // The actor just died; its failure event is on its way.
+                    if let Some(e) = self.runs.get_mut(&id) {
+                        e.pending.push(msg);
+                    }
+                }
+            }
+            Some(entry) => entry.pending.push(msg),
+            None => {
+                self.runs.entry(id.clone()).or_default().pending.push(msg);
+                self.spawn(myself, id, Boot::Rehydrate).await;
             }
         }
     }
@@ -224,36 +247,15 @@ impl Actor for RunSupervisor {
                     st.spawn(&myself, id, Boot::Recover).await;
                 }
             }
-            SupervisorMsg::Control {
-                id,
-                seq,
-                control,
-                reply,
-            } => {
-                let msg = RunMsg::Control {
-                    seq,
-                    control,
-                    reply: Some(reply),
+            SupervisorMsg::Control { id, seq, reply } => {
+                let msg = RunMsg::Controls {
+                    reply: Some((seq, reply)),
                 };
-                match st.runs.get_mut(&id) {
-                    Some(Entry {
-                        actor: Some(actor), ..
-                    }) => {
-                        if let Err(ractor::MessagingErr::SendErr(msg)) = actor.send_message(msg) {
-                            // The actor just died; its failure event is on its way.
-                            if let Some(e) = st.runs.get_mut(&id) {
-                                e.pending.push(msg);
-                            }
-                        }
-                    }
-                    Some(entry) => entry.pending.push(msg),
-                    None => {
-                        // Not live here (passivated while waiting, or waiting since before a
-                        // daemon restart): bring it back from its checkpoint.
-                        st.runs.entry(id.clone()).or_default().pending.push(msg);
-                        st.spawn(&myself, id, Boot::Rehydrate).await;
-                    }
-                }
+                st.deliver(&myself, id, msg).await;
+            }
+            SupervisorMsg::Wake(id) => {
+                st.deliver(&myself, id, RunMsg::Controls { reply: None })
+                    .await;
             }
             SupervisorMsg::Count(reply) => {
                 let _ = reply.send(st.runs.len());
@@ -279,7 +281,11 @@ impl Actor for RunSupervisor {
                         .is_some_and(|a| a.get_id() == cell.get_id());
                     if still_this_actor {
                         let pending = st.runs.remove(&id).map(|e| e.pending).unwrap_or_default();
-                        let passivated = reason.as_deref().and_then(parse_passivated);
+                        let reason = StopReason::decode(reason.as_deref());
+                        let passivated = match reason {
+                            Some(StopReason::Passivated { wake_at_ms }) => Some(wake_at_ms),
+                            _ => None,
+                        };
                         if !pending.is_empty() && passivated.is_some() {
                             // Mail arrived while it was stopping: bring it straight back.
                             st.runs.entry(id.clone()).or_default().pending = pending;
@@ -317,7 +323,10 @@ impl Actor for RunSupervisor {
     ) -> Result<(), ActorProcessingErr> {
         // Let every run actor run its post_stop (cancel in-flight work) before we are gone.
         myself
-            .stop_children_and_wait(Some("shutdown".into()), Some(Duration::from_secs(10)))
+            .stop_children_and_wait(
+                Some(StopReason::Shutdown.encode()),
+                Some(Duration::from_secs(10)),
+            )
             .await;
         Ok(())
     }
