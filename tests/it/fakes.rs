@@ -279,6 +279,8 @@ pub struct ToolRequest {
     pub idempotency_key: Option<String>,
     pub authorization: Option<String>,
     pub body: Value,
+    /// When the request arrived.
+    pub received_at: std::time::Instant,
 }
 
 /// One request as a witness sees it, before the effect is applied.
@@ -509,6 +511,7 @@ async fn serve_call(
     let body: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
     let key = key_of(&headers);
     state.requests.lock().unwrap().push(ToolRequest {
+        received_at: std::time::Instant::now(),
         idempotency_key: key.clone(),
         authorization: headers
             .get("authorization")

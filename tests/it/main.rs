@@ -31,6 +31,8 @@ mod isolation;
 mod mcp;
 /// The OpenAI-compatible provider against the fake server.
 mod openai;
+/// Run ownership on real daemon processes: controls in inbox order, store outages as pauses.
+mod ownership;
 /// Store-test helpers: builders, Redis namespaces, a private redis-server.
 mod redis_support;
 /// The core runtime through `RuntimeHandle`.
