@@ -8,6 +8,7 @@
 
 pub mod file;
 pub mod keys;
+mod local;
 pub mod memory;
 pub mod redis;
 
@@ -179,13 +180,54 @@ pub enum Error {
     Unavailable(String),
     #[error("store data is corrupt: {0}")]
     Corrupt(String),
+    #[error("node id {node} is held by another live process")]
+    NodeIdInUse { node: String },
 }
 
 impl Error {
-    /// Whether retrying the same operation later may succeed.
+    /// Whether retrying the same operation later may succeed: true for every transient fault
+    /// (refused, reset, timeout, and Redis `LOADING`, `BUSY`, `TRYAGAIN`, `CLUSTERDOWN`,
+    /// `MASTERDOWN`, redirections), which the stores all report as `Unavailable`. Conflicts,
+    /// fencing, `NotFound`, `Corrupt` and `NodeIdInUse` are answers, not faults.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::Unavailable(_))
     }
+
+    /// Stable snake_case code for logs and metrics.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::NotFound(_) => "not_found",
+            Error::VersionConflict { .. } => "version_conflict",
+            Error::Fenced { .. } => "fenced",
+            Error::LeaseHeld { .. } => "lease_held",
+            Error::SequenceGap { .. } => "sequence_gap",
+            Error::Unavailable(_) => "store_unavailable",
+            Error::Corrupt(_) => "store_corrupt",
+            Error::NodeIdInUse { .. } => "node_id_in_use",
+        }
+    }
+}
+
+/// How long an index entry for a run whose checkpoint does not exist is given for its create
+/// to land (indexes are written before the checkpoint); older such entries are dangling (the
+/// creator crashed in between) and are removed when read.
+pub const DANGLING_AFTER: Duration = Duration::from_secs(60);
+
+/// The creation time (ms since the Unix epoch) a run id carries in its UUIDv7, if any.
+pub(crate) fn run_created_ms(run: &RunId) -> Option<u64> {
+    let hex = run.as_str().strip_prefix("run_")?;
+    u64::from_str_radix(hex.get(..12)?, 16).ok()
+}
+
+/// Whether an index entry for `run`, whose checkpoint is missing, is dangling (see
+/// [`DANGLING_AFTER`]) rather than a create in flight.
+pub(crate) fn is_dangling(run: &RunId, now_ms: u64) -> bool {
+    run_created_ms(run).is_none_or(|t| now_ms.saturating_sub(t) > DANGLING_AFTER.as_millis() as u64)
+}
+
+/// Wall-clock ms `ttl` from now: due times are wall clock so that every node agrees on them.
+pub(crate) fn due_in(ttl: Duration) -> u64 {
+    crate::clock::now_ms().saturating_add(ttl.as_millis() as u64)
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -195,6 +237,13 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub trait CheckpointStore: Send + Sync + 'static {
     /// Stores a new run with its first events. With `client_key`, a second create by the same
     /// tenant with the same key returns `Existing` and writes nothing.
+    ///
+    /// The key is recorded first (the stores cannot write it atomically with the checkpoint
+    /// on Redis Cluster), so `Existing(id)` may name a run whose checkpoint does not exist
+    /// yet: its creator crashed in between. The caller then creates that run itself with the
+    /// id given (a `create` of run `id` with the same key is accepted and writes the
+    /// checkpoint) and starts it. A create of the run the key already maps to is a retry and
+    /// proceeds like one.
     async fn create(
         &self,
         checkpoint: &Checkpoint,
@@ -206,7 +255,7 @@ pub trait CheckpointStore: Send + Sync + 'static {
 
     /// Atomically: checks the stored version is `expected_version` and `lease` is current,
     /// replaces the checkpoint, appends `events` (which must continue the log's seq), and keeps
-    /// the active index (a terminal checkpoint leaves it).
+    /// the active index (a terminal checkpoint leaves it, and leaves the due index).
     async fn commit(
         &self,
         lease: &Lease,
@@ -220,10 +269,72 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// a new incarnation and must fence out the old one). A live lease of another owner gives
     /// `LeaseHeld`. Commits check the token only, not the expiry: an expired lease stays valid
     /// until someone else claims the run.
+    ///
+    /// A claim also sets the run's due time (see [`CheckpointStore::due_runs`]) to now + `ttl`,
+    /// so that if the owner dies its runs become due when their leases lapse.
     async fn claim(&self, run: &RunId, owner: &str, ttl: Duration) -> Result<Lease>;
 
-    /// Gives the lease up if still held; a no-op otherwise.
+    /// Gives the lease up if still held; a no-op otherwise. The due time stays as it is.
     async fn release(&self, lease: &Lease) -> Result<()>;
+
+    /// Extends every lease of `leases` still held by (`owner`, its token) to now + `ttl`, and
+    /// moves each renewed run's due time to now + `ttl`, in one round trip (on Redis Cluster,
+    /// one per master, concurrently). An expired lease whose token is still current is
+    /// renewed too (nobody took the run). Returns the runs whose lease is no longer ours: the
+    /// token changed (another owner claimed it, or it was released) or the run is gone.
+    async fn renew_leases(
+        &self,
+        owner: &str,
+        leases: &[Lease],
+        ttl: Duration,
+    ) -> Result<Vec<RunId>>;
+
+    /// Releases each lease still held (by token) and sets that run's due time to `due_at_ms`:
+    /// `Some(now)` for another node to take it at once (shutdown), `Some(t)` for a passivated
+    /// run's next timer, `None` to leave the due index (nothing will happen to the run until
+    /// a control arrives). Leases no longer held are skipped, due time included.
+    async fn release_many(&self, leases: &[Lease], due_at_ms: Option<u64>) -> Result<()>;
+
+    /// Puts the run in the due index at `at_ms` (ms since the Unix epoch), or (`None`) takes it
+    /// out. For example a new run its node has no room for is made due now, for any node
+    /// with room to take.
+    async fn set_due(&self, run: &RunId, at_ms: Option<u64>) -> Result<()>;
+
+    /// Runs whose due time is `<= now_ms`, earliest first, at most `limit`. A due run may
+    /// still be leased (its owner is late renewing): claiming it tells. Terminal runs never
+    /// appear: a terminal commit leaves the index, and a stale entry (for a terminal run, or a
+    /// dangling one for a missing run) is removed when read and not returned.
+    async fn due_runs(&self, now_ms: u64, limit: usize) -> Result<Vec<RunId>>;
+
+    /// The owner (node id) of the run's live lease; `None` if there is none or it expired.
+    async fn lease_holder(&self, run: &RunId) -> Result<Option<String>>;
+
+    /// Takes the node id `node_id` for the process `instance` (a random id per process) for
+    /// `ttl`: succeeds if the id is free, expired, or already held by `instance`; otherwise
+    /// `NodeIdInUse`. The holder keeps it with [`CheckpointStore::heartbeat_node`].
+    async fn register_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()>;
+
+    /// Extends `instance`'s hold on `node_id` to now + `ttl` (taking it again if it lapsed and
+    /// is free); `NodeIdInUse` if another instance holds it now.
+    async fn heartbeat_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()>;
+
+    /// Gives the node id up if `instance` holds it; a no-op otherwise.
+    async fn unregister_node(&self, node_id: &str, instance: &str) -> Result<()>;
+
+    /// Wakes node `node_id` for `run` (a control was stored for a run that node owns).
+    /// Wake-ups are a hint: the run's inbox in the store stays the source of truth.
+    async fn notify_node(&self, node_id: &str, run: &RunId) -> Result<()>;
+
+    /// Wake-ups for `node_id` after `cursor` (`""`: only those arriving from now on), waiting
+    /// up to `block` while there are none. Returns them (possibly none, on timeout) and the
+    /// cursor to pass next time. Only the most recent wake-ups are kept (about 10,000 per
+    /// node); a reader that falls further behind reads its runs' inboxes anyway.
+    async fn wakeups(
+        &self,
+        node_id: &str,
+        cursor: &str,
+        block: Duration,
+    ) -> Result<(Vec<RunId>, String)>;
 
     /// Runs not yet terminal, for recovery at start.
     async fn active_runs(&self) -> Result<Vec<RunId>>;
@@ -273,7 +384,9 @@ pub type SharedStore = Arc<dyn Store>;
 /// - `memory:` — the in-memory store (nothing survives the process);
 /// - `file:<dir>` — the embedded file store in `<dir>/agentd.redb` (created if missing);
 /// - `redis://host:port/db`, `redis+unix:///path/to/sock` (also `unix:///…`), each optionally
-///   with `?ns=<prefix>` for the key namespace (default `agentd`).
+///   with `?ns=<prefix>` for the key namespace (default `agentd`);
+/// - `redis+cluster://host:port[,host:port…][?ns=<prefix>]` — Redis Cluster, from any of its
+///   nodes.
 pub async fn open(url: &str) -> Result<SharedStore> {
     if url == "memory:" || url == "memory://" {
         return Ok(Arc::new(memory::MemoryStore::new()));
@@ -287,7 +400,7 @@ pub async fn open(url: &str) -> Result<SharedStore> {
         }
         return Ok(Arc::new(file::FileStore::open(dir).await?));
     }
-    if ["redis://", "redis+unix://", "unix://"]
+    if ["redis://", "redis+unix://", "unix://", "redis+cluster://"]
         .iter()
         .any(|p| url.starts_with(p))
     {
@@ -299,8 +412,8 @@ pub async fn open(url: &str) -> Result<SharedStore> {
         return Ok(Arc::new(self::redis::RedisStore::open(cfg).await?));
     }
     Err(Error::Unavailable(format!(
-        "unsupported store url {url:?} (expected memory:, file:<dir>, redis://host:port/db or \
-         redis+unix:///path)"
+        "unsupported store url {url:?} (expected memory:, file:<dir>, redis://host:port/db, \
+         redis+unix:///path or redis+cluster://host:port,…)"
     )))
 }
 

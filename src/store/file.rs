@@ -15,6 +15,11 @@
 //! liveness (owner + expiry) is kept in memory by the writer thread, on the monotonic clock,
 //! because the database file is locked by one process, so leases of a previous process are void
 //! by construction. Liveness changes take effect only once their transaction is committed.
+//!
+//! Single-node by design: redb holds the file exclusively, so one process is the only node.
+//! Leases of a previous process are stale when the file is opened (claims succeed at once),
+//! the node registry and the wake-ups between nodes live in this process (`local`), and the
+//! due index is a redb table written in the same transactions as the leases and commits.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -29,9 +34,10 @@ use redb::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+use super::local::{NodeRegistry, Wakeups};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, corrupt, encode_events,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, corrupt, due_in, encode_events,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -53,6 +59,10 @@ const ACTIVE: TableDefinition<&str, ()> = TableDefinition::new("active");
 const TENANT_RUNS: TableDefinition<(&str, &str), ()> = TableDefinition::new("tenant_runs");
 /// (tenant, client key) → run id.
 const CLIENT_KEYS: TableDefinition<(&str, &str), &str> = TableDefinition::new("client_keys");
+/// (due time in wall-clock ms, run id) → (): runs by due time.
+const DUE: TableDefinition<(u64, &str), ()> = TableDefinition::new("due");
+/// run id → its due time, to find its entry in `DUE`.
+const DUE_BY_RUN: TableDefinition<&str, u64> = TableDefinition::new("due_by_run");
 /// Store metadata (`epoch`).
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
 
@@ -124,6 +134,9 @@ impl Drop for WriterExit {
 struct Inner {
     queue: mpsc::Sender<Job>,
     db: Arc<Database>,
+    leases: LiveLeases,
+    nodes: NodeRegistry,
+    wakeups: Wakeups,
     path: PathBuf,
     cfg: FileConfig,
     _writer: WriterExit,
@@ -199,6 +212,22 @@ struct PushControlJob {
     json: String,
 }
 
+struct RenewJob {
+    owner: String,
+    leases: Vec<Lease>,
+    ttl: Duration,
+}
+
+struct ReleaseManyJob {
+    leases: Vec<Lease>,
+    due: Option<u64>,
+}
+
+struct SetDueJob {
+    runs: Vec<RunId>,
+    due: Option<u64>,
+}
+
 /// A caller's answer channel and, once its write has been applied in the open transaction, the
 /// answer to send if that transaction commits.
 struct Reply<T> {
@@ -244,6 +273,9 @@ enum Job {
     Claim(ClaimJob, Reply<Lease>),
     Release(Lease, Reply<()>),
     PushControl(PushControlJob, Reply<u64>),
+    Renew(RenewJob, Reply<Vec<RunId>>),
+    ReleaseMany(ReleaseManyJob, Reply<()>),
+    SetDue(SetDueJob, Reply<()>),
 }
 
 impl Job {
@@ -254,6 +286,9 @@ impl Job {
             Job::Claim(j, r) => r.settle(t.claim(j, leases)),
             Job::Release(l, r) => r.settle(t.release(l, leases)),
             Job::PushControl(j, r) => r.settle(t.push_control(j)),
+            Job::Renew(j, r) => r.settle(t.renew(j, leases)),
+            Job::ReleaseMany(j, r) => r.settle(t.release_many(j, leases)),
+            Job::SetDue(j, r) => r.settle(j.runs.iter().try_for_each(|run| t.set_due(run, j.due))),
         }
     }
 
@@ -264,6 +299,9 @@ impl Job {
             Job::Claim(_, r) => r.send(),
             Job::Release(_, r) => r.send(),
             Job::PushControl(_, r) => r.send(),
+            Job::Renew(_, r) => r.send(),
+            Job::ReleaseMany(_, r) => r.send(),
+            Job::SetDue(_, r) => r.send(),
         }
     }
 
@@ -274,6 +312,9 @@ impl Job {
             Job::Claim(_, r) => r.fail(e),
             Job::Release(_, r) => r.fail(e),
             Job::PushControl(_, r) => r.fail(e),
+            Job::Renew(_, r) => r.fail(e),
+            Job::ReleaseMany(_, r) => r.fail(e),
+            Job::SetDue(_, r) => r.fail(e),
         }
     }
 }
@@ -303,6 +344,8 @@ struct Tables<'t> {
     active: Table<'t, &'static str, ()>,
     tenant_runs: Table<'t, (&'static str, &'static str), ()>,
     client_keys: Table<'t, (&'static str, &'static str), &'static str>,
+    due: Table<'t, (u64, &'static str), ()>,
+    due_by_run: Table<'t, &'static str, u64>,
 }
 
 const W: &str = "writing";
@@ -322,6 +365,8 @@ impl<'t> Tables<'t> {
             active: txn.open_table(ACTIVE).map_err(o)?,
             tenant_runs: txn.open_table(TENANT_RUNS).map_err(o)?,
             client_keys: txn.open_table(CLIENT_KEYS).map_err(o)?,
+            due: txn.open_table(DUE).map_err(o)?,
+            due_by_run: txn.open_table(DUE_BY_RUN).map_err(o)?,
         })
     }
 
@@ -351,6 +396,76 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
+    fn set_due(&mut self, run: &RunId, at: Option<u64>) -> Result<()> {
+        let old = self
+            .due_by_run
+            .remove(run.as_str())
+            .map_err(w)?
+            .map(|v| v.value());
+        if let Some(old) = old {
+            self.due.remove((old, run.as_str())).map_err(w)?;
+        }
+        if let Some(at) = at {
+            self.due_by_run.insert(run.as_str(), at).map_err(w)?;
+            self.due.insert((at, run.as_str()), ()).map_err(w)?;
+        }
+        Ok(())
+    }
+
+    fn is_active(&self, run: &RunId) -> Result<bool> {
+        Ok(self.active.get(run.as_str()).map_err(w)?.is_some())
+    }
+
+    /// The run's current fence token (0: none).
+    fn fence(&self, run: &RunId) -> Result<u64> {
+        Ok(self
+            .tokens
+            .get(run.as_str())
+            .map_err(w)?
+            .map_or(0, |v| v.value().0))
+    }
+
+    fn renew(&mut self, j: &RenewJob, leases: &mut Leases<'_>) -> Result<Vec<RunId>> {
+        let expires = Instant::now() + j.ttl;
+        let due = due_in(j.ttl);
+        let mut lost = Vec::new();
+        for l in &j.leases {
+            let run = &l.run_id;
+            let held = leases
+                .get(run)
+                .is_some_and(|live| live.token == l.token && live.owner == j.owner)
+                && self.fence(run)? == l.token;
+            if !held {
+                lost.push(run.clone());
+                continue;
+            }
+            leases.pending.insert(
+                run.clone(),
+                Some(LiveLease {
+                    owner: j.owner.clone(),
+                    token: l.token,
+                    expires,
+                }),
+            );
+            if self.is_active(run)? {
+                self.set_due(run, Some(due))?;
+            }
+        }
+        Ok(lost)
+    }
+
+    fn release_many(&mut self, j: &ReleaseManyJob, leases: &mut Leases<'_>) -> Result<()> {
+        for l in &j.leases {
+            if self.fence(&l.run_id)? != l.token || l.token == 0 {
+                continue;
+            }
+            self.release(l, leases)?;
+            let due = j.due.filter(|_| self.is_active(&l.run_id).unwrap_or(false));
+            self.set_due(&l.run_id, due)?;
+        }
+        Ok(())
+    }
+
     fn create(&mut self, j: &CreateJob) -> Result<CreateOutcome> {
         let run = &j.run;
         // Checks first: a rejected create writes nothing (and does not use up its key).
@@ -361,10 +476,13 @@ impl<'t> Tables<'t> {
                 .map_err(w)?
                 .map(|v| v.value().to_owned());
             if let Some(id) = existing {
-                let id = id
+                let id: RunId = id
                     .parse()
                     .map_err(|e| corrupt(run, "client key maps to a bad run id", e))?;
-                return Ok(CreateOutcome::Existing(id));
+                // The key maps to this very run: a retry of this create, which proceeds.
+                if &id != run {
+                    return Ok(CreateOutcome::Existing(id));
+                }
             }
         }
         if let Some(found) = self.stored(run)? {
@@ -426,6 +544,9 @@ impl<'t> Tables<'t> {
         self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
         self.append_events(run, &j.events)?;
         self.set_active(run, j.terminal)?;
+        if j.terminal {
+            self.set_due(run, None)?;
+        }
         Ok(())
     }
 
@@ -461,6 +582,9 @@ impl<'t> Tables<'t> {
                 expires: now + j.ttl,
             }),
         );
+        if self.is_active(run)? {
+            self.set_due(run, Some(due_in(j.ttl)))?;
+        }
         Ok(Lease {
             run_id: run.clone(),
             owner: j.owner.clone(),
@@ -496,11 +620,20 @@ impl<'t> Tables<'t> {
     }
 }
 
+/// A copy of the writer's committed lease liveness, updated after each committed batch (under
+/// a short lock), read by `lease_holder`.
+type LiveLeases = Arc<Mutex<HashMap<RunId, LiveLease>>>;
+
+fn lock_leases(l: &LiveLeases) -> std::sync::MutexGuard<'_, HashMap<RunId, LiveLease>> {
+    l.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The writer thread's state: the database and the committed lease liveness map (only the
-/// writer reads or changes it, so it needs no lock).
+/// writer reads or changes it, so it needs no lock), and the copy others read.
 struct Writer {
     db: Arc<Database>,
     leases: HashMap<RunId, LiveLease>,
+    shared: LiveLeases,
 }
 
 impl Writer {
@@ -544,10 +677,17 @@ impl Writer {
         }
         let pending = leases.pending;
         txn.commit().map_err(|e| db_err(&what, e))?;
+        let mut shared = lock_leases(&self.shared);
         for (run, l) in pending {
             match l {
-                Some(l) => self.leases.insert(run, l),
-                None => self.leases.remove(&run),
+                Some(l) => {
+                    shared.insert(run.clone(), l.clone());
+                    self.leases.insert(run, l)
+                }
+                None => {
+                    shared.remove(&run);
+                    self.leases.remove(&run)
+                }
             };
         }
         Ok(())
@@ -584,6 +724,8 @@ impl FileStore {
             txn.open_table(ACTIVE).map_err(init)?;
             txn.open_table(TENANT_RUNS).map_err(init)?;
             txn.open_table(CLIENT_KEYS).map_err(init)?;
+            txn.open_table(DUE).map_err(init)?;
+            txn.open_table(DUE_BY_RUN).map_err(init)?;
             let mut meta = txn.open_table(META).map_err(init)?;
             let has_epoch = meta
                 .get("epoch")
@@ -600,9 +742,11 @@ impl FileStore {
         let db = Arc::new(db);
         let (queue, rx) = mpsc::channel(cfg.queue_capacity.max(1));
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let leases = LiveLeases::default();
         let writer = Writer {
             db: db.clone(),
             leases: HashMap::new(),
+            shared: leases.clone(),
         };
         let max_batch = cfg.max_batch;
         std::thread::Builder::new()
@@ -617,6 +761,9 @@ impl FileStore {
             inner: Arc::new(Inner {
                 queue,
                 db,
+                leases,
+                nodes: NodeRegistry::default(),
+                wakeups: Wakeups::default(),
                 path,
                 cfg,
                 _writer: WriterExit {
@@ -756,6 +903,135 @@ impl CheckpointStore for FileStore {
             |r| Job::Release(l, r),
         )
         .await
+    }
+
+    async fn renew_leases(
+        &self,
+        owner: &str,
+        leases: &[Lease],
+        ttl: Duration,
+    ) -> Result<Vec<RunId>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let job = RenewJob {
+            owner: owner.to_owned(),
+            leases: leases.to_vec(),
+            ttl,
+        };
+        self.write(
+            || format!("renewing {} leases", leases.len()),
+            |r| Job::Renew(job, r),
+        )
+        .await
+    }
+
+    async fn release_many(&self, leases: &[Lease], due_at_ms: Option<u64>) -> Result<()> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let job = ReleaseManyJob {
+            leases: leases.to_vec(),
+            due: due_at_ms,
+        };
+        self.write(
+            || format!("releasing {} leases", leases.len()),
+            |r| Job::ReleaseMany(job, r),
+        )
+        .await
+    }
+
+    async fn set_due(&self, run: &RunId, at_ms: Option<u64>) -> Result<()> {
+        let job = SetDueJob {
+            runs: vec![run.clone()],
+            due: at_ms,
+        };
+        self.write(
+            || format!("setting the due time of run {run}"),
+            |r| Job::SetDue(job, r),
+        )
+        .await
+    }
+
+    async fn due_runs(&self, now_ms: u64, limit: usize) -> Result<Vec<RunId>> {
+        let (due, stale) = self
+            .blocking(move |inner| {
+                let what = "listing due runs";
+                let txn = inner.db.begin_read().map_err(|e| db_err(what, e))?;
+                let due = txn.open_table(DUE).map_err(|e| db_err(what, e))?;
+                let active = txn.open_table(ACTIVE).map_err(|e| db_err(what, e))?;
+                let (mut out, mut stale) = (Vec::new(), Vec::new());
+                for entry in due
+                    .range((0u64, "")..=(now_ms, "~"))
+                    .map_err(|e| db_err(what, e))?
+                {
+                    if out.len() >= limit {
+                        break;
+                    }
+                    let (k, _) = entry.map_err(|e| db_err(what, e))?;
+                    let id = k.value().1;
+                    let run: RunId = id
+                        .parse()
+                        .map_err(|e| Error::Corrupt(format!("due index holds {id:?}: {e}")))?;
+                    // A run and its indexes change in one transaction, so a run that is not
+                    // active is terminal or gone: its entry is stale.
+                    if active.get(id).map_err(|e| db_err(what, e))?.is_some() {
+                        out.push(run);
+                    } else {
+                        stale.push(run);
+                    }
+                }
+                Ok((out, stale))
+            })
+            .await?;
+        if !stale.is_empty() {
+            let n = stale.len();
+            let job = SetDueJob {
+                runs: stale,
+                due: None,
+            };
+            self.write(
+                || format!("removing {n} stale due entries"),
+                |r| Job::SetDue(job, r),
+            )
+            .await?;
+        }
+        Ok(due)
+    }
+
+    async fn lease_holder(&self, run: &RunId) -> Result<Option<String>> {
+        let now = Instant::now();
+        Ok(lock_leases(&self.inner.leases)
+            .get(run)
+            .filter(|l| l.expires > now)
+            .map(|l| l.owner.clone()))
+    }
+
+    async fn register_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        self.inner.nodes.hold(node_id, instance, ttl)
+    }
+
+    async fn heartbeat_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        self.inner.nodes.hold(node_id, instance, ttl)
+    }
+
+    async fn unregister_node(&self, node_id: &str, instance: &str) -> Result<()> {
+        self.inner.nodes.release(node_id, instance);
+        Ok(())
+    }
+
+    async fn notify_node(&self, node_id: &str, run: &RunId) -> Result<()> {
+        self.inner.wakeups.notify(node_id, run);
+        Ok(())
+    }
+
+    async fn wakeups(
+        &self,
+        node_id: &str,
+        cursor: &str,
+        block: Duration,
+    ) -> Result<(Vec<RunId>, String)> {
+        self.inner.wakeups.read(node_id, cursor, block).await
     }
 
     async fn active_runs(&self) -> Result<Vec<RunId>> {

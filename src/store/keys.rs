@@ -1,6 +1,10 @@
 //! Every Redis key the store uses, in one place. All keys of one run share the hash tag
-//! `{run:<id>}` so one Lua script can touch them together on Redis Cluster; every key starts
-//! with the deployment namespace so several deployments (and tests) can share one Redis.
+//! `{run:<id>}`, and all keys of one node the hash tag `{node:<id>}`, so that every Lua script
+//! touches keys of one hash slot only (Redis Cluster). The indexes (active, due, tenant runs,
+//! client keys) are other slots: scripts never touch them; the store updates them with plain
+//! commands, ordered so that a crash in between leaves only entries that readers skip and
+//! clean. Every key starts with the deployment namespace so several deployments (and tests)
+//! can share one Redis.
 //!
 //! Layout (`<ns>` is the namespace, default `agentd`):
 //!
@@ -10,13 +14,16 @@
 //! | `<ns>:{run:<id>}:events` | stream | one entry per event, id `<seq>-0`, field `e` = event JSON |
 //! | `<ns>:{run:<id>}:controls` | list | control inbox; position + 1 is the seq |
 //! | `<ns>:{run:<id>}:lease` | hash (PX ttl) | `owner`, `token` of the live lease |
-//! | `<ns>:active` | set | run ids not yet terminal |
+//! | `<ns>:active` | set | run ids not yet terminal (a superset: readers check the checkpoint) |
+//! | `<ns>:due` | sorted set (score = wall-clock ms) | runs some node should take at that time: lease expiry, a passivated run's timer, or now |
+//! | `<ns>:{node:<id>}:owner` | string (PX ttl) | the process instance holding the node id |
+//! | `<ns>:{node:<id>}:wake` | stream (MAXLEN ~ 10000) | wake-ups for the node, field `r` = run id |
 //! | `<ns>:tenant:<tenant>:runs` | sorted set (score 0) | the tenant's run ids, lexical = time order |
 //! | `<ns>:tenant:<tenant>:ckey:<sha256(key)>` | string | client idempotency key → run id |
 //! | `<ns>:epoch` | string | random id written once when the namespace is initialised |
 //!
 //! User-supplied parts never reach a key unescaped: run ids have a charset without `{`, `}`, `:`
-//! (see `ids`), tenants are percent-escaped, client keys are hashed.
+//! (see `ids`), tenants and node ids are percent-escaped, client keys are hashed.
 
 use sha2::{Digest, Sha256};
 
@@ -88,6 +95,25 @@ impl Keys {
         format!("{}:active", self.ns)
     }
 
+    /// Sorted set of runs by due time.
+    pub fn due(&self) -> String {
+        format!("{}:due", self.ns)
+    }
+
+    fn node_key(&self, node: &str, suffix: &str) -> String {
+        format!("{}:{{node:{}}}:{suffix}", self.ns, escape(node))
+    }
+
+    /// Which process instance holds the node id (expires with PX).
+    pub fn node_owner(&self, node: &str) -> String {
+        self.node_key(node, "owner")
+    }
+
+    /// The node's wake-up stream.
+    pub fn node_wake(&self, node: &str) -> String {
+        self.node_key(node, "wake")
+    }
+
     /// Sorted set of one tenant's run ids.
     pub fn tenant_runs(&self, tenant: &str) -> String {
         format!("{}:tenant:{}:runs", self.ns, escape(tenant))
@@ -157,6 +183,7 @@ mod tests {
     fn global_keys_are_pinned() {
         let k = Keys::new("t-1.x").unwrap();
         assert_eq!(k.active(), "t-1.x:active");
+        assert_eq!(k.due(), "t-1.x:due");
         assert_eq!(k.epoch(), "t-1.x:epoch");
         assert_eq!(k.tenant_runs("acme"), "t-1.x:tenant:acme:runs");
         assert_eq!(
@@ -166,6 +193,17 @@ mod tests {
                 "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
             )
         );
+    }
+
+    #[test]
+    fn node_keys_are_pinned_escaped_and_share_one_hash_tag() {
+        let k = Keys::new("agentd").unwrap();
+        assert_eq!(k.node_owner("node-1"), "agentd:{node:node-1}:owner");
+        assert_eq!(k.node_wake("node-1"), "agentd:{node:node-1}:wake");
+        assert_eq!(k.node_owner("a}:{b"), "agentd:{node:a%7D%3A%7Bb}:owner");
+        for key in [k.node_owner("n.2"), k.node_wake("n.2")] {
+            assert_eq!(hash_tag(&key), "node:n%2E2");
+        }
     }
 
     #[test]

@@ -1,14 +1,17 @@
 //! The in-memory store: the reference implementation of the store contract, for unit tests,
 //! the benchmark and embedding. Nothing survives the process.
 
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use dashmap::DashMap;
 
+use super::local::{NodeRegistry, Wakeups};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage, check_seq,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, due_in,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -30,12 +33,35 @@ struct HeldLease {
     expires: Instant,
 }
 
+/// Runs by due time (wall-clock ms), and each run's entry.
+#[derive(Debug, Default)]
+struct DueIndex {
+    by_time: BTreeSet<(u64, RunId)>,
+    by_run: HashMap<RunId, u64>,
+}
+
+impl DueIndex {
+    fn set(&mut self, run: &RunId, at: Option<u64>) {
+        if let Some(old) = self.by_run.remove(run) {
+            self.by_time.remove(&(old, run.clone()));
+        }
+        if let Some(at) = at {
+            self.by_run.insert(run.clone(), at);
+            self.by_time.insert((at, run.clone()));
+        }
+    }
+}
+
 /// An in-memory [`CheckpointStore`] + [`EventLog`].
 #[derive(Debug)]
 pub struct MemoryStore {
     runs: DashMap<RunId, RunEntry>,
     /// (tenant, client key) → run.
     client_keys: DashMap<(String, String), RunId>,
+    /// Lock order: a `runs` entry may be held while taking this, never the other way round.
+    due: Mutex<DueIndex>,
+    nodes: NodeRegistry,
+    wakeups: Wakeups,
     /// Random per instance: a new process is a new (empty) store.
     epoch: String,
 }
@@ -45,6 +71,9 @@ impl Default for MemoryStore {
         MemoryStore {
             runs: DashMap::new(),
             client_keys: DashMap::new(),
+            due: Mutex::default(),
+            nodes: NodeRegistry::default(),
+            wakeups: Wakeups::default(),
             epoch: uuid::Uuid::new_v4().simple().to_string(),
         }
     }
@@ -53,6 +82,21 @@ impl Default for MemoryStore {
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    fn due(&self) -> MutexGuard<'_, DueIndex> {
+        self.due
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether `entry`'s current lease is `token` held by `owner` (expired or not: an expired
+    /// lease stays current until someone else claims the run).
+    fn holds(entry: &RunEntry, owner: Option<&str>, token: u64) -> bool {
+        entry
+            .lease
+            .as_ref()
+            .is_some_and(|l| l.token == token && owner.is_none_or(|o| o == l.owner))
     }
 }
 
@@ -71,7 +115,11 @@ impl CheckpointStore for MemoryStore {
                 .client_keys
                 .entry((checkpoint.tenant.clone(), key.to_owned()))
             {
-                dashmap::Entry::Occupied(o) => return Ok(CreateOutcome::Existing(o.get().clone())),
+                // The key maps to this very run: a retry of this create, which proceeds.
+                dashmap::Entry::Occupied(o) if o.get() != run => {
+                    return Ok(CreateOutcome::Existing(o.get().clone()));
+                }
+                dashmap::Entry::Occupied(_) => {}
                 dashmap::Entry::Vacant(v) => {
                     v.insert(run.clone());
                 }
@@ -135,6 +183,9 @@ impl CheckpointStore for MemoryStore {
         check_seq(run, last, events.iter().map(|e| e.seq))?;
         entry.checkpoint = Some(checkpoint.clone());
         entry.events.extend_from_slice(events);
+        if checkpoint.terminal {
+            self.due().set(run, None);
+        }
         Ok(())
     }
 
@@ -160,6 +211,7 @@ impl CheckpointStore for MemoryStore {
             token,
             expires: now + ttl,
         });
+        self.due().set(run, Some(due_in(ttl)));
         Ok(Lease {
             run_id: run.clone(),
             owner: owner.to_owned(),
@@ -174,6 +226,116 @@ impl CheckpointStore for MemoryStore {
             entry.lease = None;
         }
         Ok(())
+    }
+
+    async fn renew_leases(
+        &self,
+        owner: &str,
+        leases: &[Lease],
+        ttl: Duration,
+    ) -> Result<Vec<RunId>> {
+        let (expires, due) = (Instant::now() + ttl, due_in(ttl));
+        let mut lost = Vec::new();
+        for l in leases {
+            let renewed = match self.runs.get_mut(&l.run_id) {
+                Some(mut entry) if Self::holds(&entry, Some(owner), l.token) => {
+                    if let Some(held) = entry.lease.as_mut() {
+                        held.expires = expires;
+                    }
+                    if !entry.checkpoint.as_ref().is_some_and(|c| c.terminal) {
+                        self.due().set(&l.run_id, Some(due));
+                    }
+                    true
+                }
+                _ => false,
+            };
+            if !renewed {
+                lost.push(l.run_id.clone());
+            }
+        }
+        Ok(lost)
+    }
+
+    async fn release_many(&self, leases: &[Lease], due_at_ms: Option<u64>) -> Result<()> {
+        for l in leases {
+            if let Some(mut entry) = self.runs.get_mut(&l.run_id)
+                && Self::holds(&entry, None, l.token)
+            {
+                entry.lease = None;
+                let terminal = entry.checkpoint.as_ref().is_some_and(|c| c.terminal);
+                self.due().set(&l.run_id, due_at_ms.filter(|_| !terminal));
+            }
+        }
+        Ok(())
+    }
+
+    async fn set_due(&self, run: &RunId, at_ms: Option<u64>) -> Result<()> {
+        self.due().set(run, at_ms);
+        Ok(())
+    }
+
+    async fn due_runs(&self, now_ms: u64, limit: usize) -> Result<Vec<RunId>> {
+        let candidates: Vec<RunId> = self
+            .due()
+            .by_time
+            .iter()
+            .take_while(|(at, _)| *at <= now_ms)
+            .map(|(_, run)| run.clone())
+            .collect();
+        let mut out = Vec::new();
+        for run in candidates {
+            if out.len() >= limit {
+                break;
+            }
+            let live = self
+                .runs
+                .get(&run)
+                .and_then(|e| e.checkpoint.as_ref().map(|c| !c.terminal));
+            match live {
+                Some(true) => out.push(run),
+                Some(false) => self.due().set(&run, None),
+                None if super::is_dangling(&run, now_ms) => self.due().set(&run, None),
+                None => {}
+            }
+        }
+        Ok(out)
+    }
+
+    async fn lease_holder(&self, run: &RunId) -> Result<Option<String>> {
+        let now = Instant::now();
+        Ok(self.runs.get(run).and_then(|e| {
+            e.lease
+                .as_ref()
+                .filter(|l| l.expires > now)
+                .map(|l| l.owner.clone())
+        }))
+    }
+
+    async fn register_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        self.nodes.hold(node_id, instance, ttl)
+    }
+
+    async fn heartbeat_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        self.nodes.hold(node_id, instance, ttl)
+    }
+
+    async fn unregister_node(&self, node_id: &str, instance: &str) -> Result<()> {
+        self.nodes.release(node_id, instance);
+        Ok(())
+    }
+
+    async fn notify_node(&self, node_id: &str, run: &RunId) -> Result<()> {
+        self.wakeups.notify(node_id, run);
+        Ok(())
+    }
+
+    async fn wakeups(
+        &self,
+        node_id: &str,
+        cursor: &str,
+        block: Duration,
+    ) -> Result<(Vec<RunId>, String)> {
+        self.wakeups.read(node_id, cursor, block).await
     }
 
     async fn active_runs(&self) -> Result<Vec<RunId>> {

@@ -1,17 +1,32 @@
-//! `RedisStore`: the production store on Redis. Each write is one Lua script over keys of one
-//! run (see `keys`), so it is atomic; concurrent commits are group-committed into pipelines of
-//! EVALSHA calls by a background task; every call is bounded by a timeout.
+//! `RedisStore`: the production store on Redis or Redis Cluster. Each write of a run is one Lua
+//! script over keys of that run (see `keys`), so it is atomic and touches one hash slot;
+//! concurrent commits are group-committed by a background task; every call is bounded by a
+//! timeout.
+//!
+//! The indexes (active runs, due runs, tenant runs, client keys) live in other slots, so no
+//! script touches them; they are kept with plain commands, ordered so that a crash in between
+//! is harmless: a run enters its indexes before its checkpoint is written (readers skip, and
+//! later clean, entries of runs that never appeared), and leaves them after its terminal
+//! commit (readers check the checkpoint and clean stale entries). On a single Redis a batch of
+//! commands is one pipeline; on a cluster the commands of a batch go out concurrently over the
+//! cluster connection's per-node connections (one round trip per master), since a cluster
+//! pipeline must stay within one slot.
 //!
 //! Semantics match the in-memory reference: a create or commit retried after an ambiguous
 //! failure (the same checkpoint is already stored) succeeds instead of reporting a false
-//! conflict. Not Redis Cluster-ready yet: the create/commit scripts also touch the global
-//! `active` and per-tenant index keys, which live in other slots.
+//! conflict. Every Redis failure, transient by nature (refused, reset, timeout, `LOADING`,
+//! `BUSY`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, redirections), is `Unavailable`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use ::redis::aio::ConnectionManager;
-use ::redis::{AsyncConnectionConfig, Client, Cmd, RedisError, Script, ServerErrorKind, Value};
+use ::redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+use ::redis::cluster::ClusterClient;
+use ::redis::cluster_async::ClusterConnection;
+use ::redis::{
+    AsyncConnectionConfig, Client, Cmd, ErrorKind, RedisError, RedisFuture, Script,
+    ServerErrorKind, Value,
+};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -19,7 +34,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use super::keys::{DEFAULT_NAMESPACE, Keys};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage, corrupt, encode_events,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, corrupt, due_in, encode_events,
+    is_dangling,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -27,7 +43,8 @@ use crate::ids::RunId;
 /// How to reach Redis and how long to wait for it.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
-    /// A redis crate URL: `redis://host:port/db` or `redis+unix:///path/to/sock`.
+    /// A redis crate URL: `redis://host:port/db` or `redis+unix:///path/to/sock`; or
+    /// `redis+cluster://host:port[,host:port…]` for Redis Cluster.
     pub url: String,
     /// Key prefix (see `keys::Keys::new` for the charset).
     pub namespace: String,
@@ -77,73 +94,62 @@ impl RedisConfig {
 }
 
 // Script replies are `{code, detail}`; the scripts never raise, so one bad commit cannot fail
-// the other commits of its pipeline.
+// the other commits of its pipeline. Every script touches the keys of one run (or one node)
+// only: one hash slot, as Redis Cluster requires.
 const OK: i64 = 0;
 const REPLAYED: i64 = 1;
 const NOT_FOUND: i64 = 2;
 const FENCED: i64 = 3;
 const CONFLICT: i64 = 4;
 const GAP: i64 = 5;
-const EXISTING: i64 = 6;
 const HELD: i64 = 7;
+const NODE_HELD: i64 = 9;
 
-/// KEYS: ckpt, events, active, tenant_runs, [client_key].
-/// ARGV: run_id, version, doc, status, terminal(0|1), n, then n × (seq, event json).
+/// KEYS: ckpt, events.
+/// ARGV: version, doc, status, terminal(0|1), n, then n × (seq, event json).
 const CREATE_LUA: &str = r#"
-if #KEYS >= 5 then
-  local existing = redis.call('GET', KEYS[5])
-  if existing then return {6, existing} end
-end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   -- A retry of an applied create (reply lost) is not a conflict.
-  if redis.call('HGET', KEYS[1], 'doc') == ARGV[3] then return {0, ''} end
+  if redis.call('HGET', KEYS[1], 'doc') == ARGV[2] then return {0, ''} end
   return {4, tostring(redis.call('HGET', KEYS[1], 'v') or '0')}
 end
-local n = tonumber(ARGV[6])
+local n = tonumber(ARGV[5])
 for i = 1, n do
-  if tonumber(ARGV[5 + 2 * i]) ~= i then return {5, ARGV[5 + 2 * i]} end
+  if tonumber(ARGV[4 + 2 * i]) ~= i then return {5, ARGV[4 + 2 * i]} end
 end
 for i = 1, n do
-  redis.call('XADD', KEYS[2], ARGV[5 + 2 * i] .. '-0', 'e', ARGV[6 + 2 * i])
+  redis.call('XADD', KEYS[2], ARGV[4 + 2 * i] .. '-0', 'e', ARGV[5 + 2 * i])
 end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 'doc', ARGV[3], 'status', ARGV[4],
-  'terminal', ARGV[5], 'seq', n, 'tokens', 0)
-if ARGV[5] ~= '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
-redis.call('ZADD', KEYS[4], 0, ARGV[1])
-if #KEYS >= 5 then redis.call('SET', KEYS[5], ARGV[1]) end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'doc', ARGV[2], 'status', ARGV[3],
+  'terminal', ARGV[4], 'seq', n, 'tokens', 0)
 return {0, ''}
 "#;
 
-/// KEYS: ckpt, events, active.
-/// ARGV: token, expected, new_version, doc, status, terminal(0|1), run_id, n, then n × (seq, json).
+/// KEYS: ckpt, events.
+/// ARGV: token, expected, new_version, doc, status, terminal(0|1), n, then n × (seq, json).
 const COMMIT_LUA: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 0 then return {2, ''} end
 local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq')
 if h[1] ~= ARGV[1] then return {3, ''} end
 local v = tonumber(h[2])
 local last = tonumber(h[3])
-local n = tonumber(ARGV[8])
+local n = tonumber(ARGV[7])
 if v ~= tonumber(ARGV[2]) then
   -- The document is read only here (rare path): it can be large.
-  if v == tonumber(ARGV[3]) and (n == 0 or tonumber(ARGV[7 + 2 * n]) == last)
+  if v == tonumber(ARGV[3]) and (n == 0 or tonumber(ARGV[6 + 2 * n]) == last)
      and redis.call('HGET', KEYS[1], 'doc') == ARGV[4] then
     return {1, tostring(v)}
   end
   return {4, tostring(v)}
 end
 for i = 1, n do
-  if tonumber(ARGV[7 + 2 * i]) ~= last + i then return {5, ARGV[7 + 2 * i]} end
+  if tonumber(ARGV[6 + 2 * i]) ~= last + i then return {5, ARGV[6 + 2 * i]} end
 end
 for i = 1, n do
-  redis.call('XADD', KEYS[2], ARGV[7 + 2 * i] .. '-0', 'e', ARGV[8 + 2 * i])
+  redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[3], 'doc', ARGV[4], 'status', ARGV[5],
   'terminal', ARGV[6], 'seq', last + n)
-if ARGV[6] == '1' then
-  redis.call('SREM', KEYS[3], ARGV[7])
-else
-  redis.call('SADD', KEYS[3], ARGV[7])
-end
 return {0, ARGV[3]}
 "#;
 
@@ -159,13 +165,25 @@ redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return {0, tostring(t)}
 "#;
 
-/// KEYS: ckpt, lease. ARGV: token.
+/// KEYS: ckpt, lease. ARGV: owner, token, ttl_ms. The lease is ours while the fence is our
+/// token (claims set fence and lease together); an expired lease key is written again.
+const RENEW_LUA: &str = r#"
+if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[2] then return {3, ''} end
+local o = redis.call('HGET', KEYS[2], 'owner')
+if o and o ~= ARGV[1] then return {7, o} end
+redis.call('HSET', KEYS[2], 'owner', ARGV[1], 'token', ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {0, ''}
+"#;
+
+/// KEYS: ckpt, lease. ARGV: token. Detail `1` if released, `0` if the lease was not held.
 const RELEASE_LUA: &str = r#"
 if redis.call('HGET', KEYS[1], 'fence') == ARGV[1] then
   redis.call('HDEL', KEYS[1], 'fence')
   redis.call('DEL', KEYS[2])
+  return {0, '1'}
 end
-return {0, ''}
+return {0, '0'}
 "#;
 
 /// KEYS: ckpt, controls. ARGV: record json.
@@ -180,6 +198,28 @@ redis.call('SET', KEYS[1], ARGV[1], 'NX')
 return {0, redis.call('GET', KEYS[1])}
 "#;
 
+/// KEYS: node owner. ARGV: instance, ttl_ms. Register and heartbeat alike.
+const NODE_HOLD_LUA: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return {9, cur} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {0, ''}
+"#;
+
+/// KEYS: node owner. ARGV: instance.
+const NODE_RELEASE_LUA: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return {0, ''}
+"#;
+
+/// Wake-ups kept per node stream (approximate trim).
+const WAKE_STREAM_LEN: usize = 10_000;
+/// Most wake-ups returned by one read.
+const WAKE_READ_COUNT: usize = 1000;
+
+/// Longest wait of one `wakeups` read (a longer `block` is cut to this).
+pub const MAX_WAKE_BLOCK: Duration = Duration::from_secs(60);
+
 /// A control as stored in the inbox list; its seq is its position.
 #[derive(Serialize, Deserialize)]
 struct StoredControl {
@@ -191,9 +231,12 @@ struct Scripts {
     create: Script,
     commit: Script,
     claim: Script,
+    renew: Script,
     release: Script,
     push_control: Script,
     epoch: Script,
+    node_hold: Script,
+    node_release: Script,
 }
 
 impl Scripts {
@@ -202,11 +245,130 @@ impl Scripts {
             create: Script::new(CREATE_LUA),
             commit: Script::new(COMMIT_LUA),
             claim: Script::new(CLAIM_LUA),
+            renew: Script::new(RENEW_LUA),
             release: Script::new(RELEASE_LUA),
             push_control: Script::new(PUSH_CONTROL_LUA),
             epoch: Script::new(EPOCH_LUA),
+            node_hold: Script::new(NODE_HOLD_LUA),
+            node_release: Script::new(NODE_RELEASE_LUA),
         }
     }
+
+    fn all(&self) -> [&Script; 9] {
+        [
+            &self.create,
+            &self.commit,
+            &self.claim,
+            &self.renew,
+            &self.release,
+            &self.push_control,
+            &self.epoch,
+            &self.node_hold,
+            &self.node_release,
+        ]
+    }
+}
+
+/// A connection to Redis: the shared reconnecting one of a single server, a cluster connection
+/// (one multiplexed connection per node, routing by slot, following redirections), or a
+/// dedicated connection for blocking reads.
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+    Dedicated(MultiplexedConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Dedicated(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a ::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Dedicated(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+            Conn::Dedicated(c) => c.get_db(),
+        }
+    }
+}
+
+/// How to open more connections (for blocking reads).
+enum Source {
+    Single(Client),
+    /// A client whose response timeout allows for `MAX_WAKE_BLOCK`.
+    Cluster(Box<ClusterClient>),
+}
+
+/// What one command of a batch answered.
+enum Answer {
+    Value(Value),
+    NoScript,
+    Failed(String),
+}
+
+impl Answer {
+    fn of_value(v: Value) -> Self {
+        match v {
+            Value::ServerError(e) if e.kind() == Some(ServerErrorKind::NoScript) => {
+                Answer::NoScript
+            }
+            Value::ServerError(e) => Answer::Failed(format!("{e:?}")),
+            v => Answer::Value(v),
+        }
+    }
+
+    fn of_result(r: ::redis::RedisResult<Value>) -> Self {
+        match r {
+            Ok(v) => Self::of_value(v),
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => Answer::NoScript,
+            Err(e) => Answer::Failed(e.to_string()),
+        }
+    }
+
+    /// The value, or `Unavailable` naming `what`.
+    fn value(self, what: &str) -> Result<Value> {
+        match self {
+            Answer::Value(v) => Ok(v),
+            Answer::NoScript => Err(Error::Unavailable(format!(
+                "redis: {what}: script cache lost"
+            ))),
+            Answer::Failed(e) => Err(Error::Unavailable(format!("redis: {what}: {e}"))),
+        }
+    }
+
+    /// A script's `{code, detail}`.
+    fn reply(self, what: &str) -> Result<(i64, String)> {
+        parse_reply(self.value(what)?).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
+    }
+}
+
+/// What the store and its group committer share.
+struct Core {
+    con: Conn,
+    keys: Keys,
+    cfg: RedisConfig,
+    scripts: Scripts,
+    source: Source,
+    /// Idle dedicated connections for blocking reads.
+    blocking: tokio::sync::Mutex<Vec<Conn>>,
 }
 
 /// One commit waiting for the group committer.
@@ -214,23 +376,22 @@ struct CommitJob {
     run: RunId,
     expected: u64,
     token: u64,
+    terminal: bool,
     cmd: Cmd,
     reply: oneshot::Sender<Result<()>>,
 }
 
 /// The Redis [`CheckpointStore`] + [`EventLog`].
 pub struct RedisStore {
-    con: ConnectionManager,
-    keys: Keys,
-    cfg: RedisConfig,
-    scripts: Arc<Scripts>,
+    core: Arc<Core>,
     queue: Option<mpsc::Sender<CommitJob>>,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
-            .field("namespace", &self.keys.namespace())
+            .field("namespace", &self.core.keys.namespace())
+            .field("cluster", &self.is_cluster())
             .field("group_commit", &self.queue.is_some())
             .finish()
     }
@@ -277,85 +438,31 @@ fn terminal_arg(c: &Checkpoint) -> &'static str {
     if c.terminal { "1" } else { "0" }
 }
 
-impl RedisStore {
-    /// Connects (bounded by `connect_timeout` + `op_timeout`), loads the scripts and writes the
-    /// namespace's epoch marker if it is missing.
-    pub async fn open(cfg: RedisConfig) -> Result<Self> {
-        let keys = Keys::new(&cfg.namespace).map_err(|e| Error::Unavailable(e.to_string()))?;
-        let client = Client::open(cfg.url.as_str())
-            .map_err(|e| Error::Unavailable(format!("redis: bad url: {e}")))?;
-        let mgr_cfg = ::redis::aio::ConnectionManagerConfig::new()
-            .set_response_timeout(Some(cfg.op_timeout))
-            .set_connection_timeout(Some(cfg.connect_timeout))
-            .set_number_of_retries(3)
-            .set_max_delay(Duration::from_secs(1));
-        let wait = cfg.connect_timeout + cfg.op_timeout;
-        let con = tokio::time::timeout(wait, client.get_connection_manager_with_config(mgr_cfg))
-            .await
-            .map_err(|_| timed_out("connecting", wait))?
-            .map_err(|e| unavailable("connecting", &e))?;
-        let scripts = Arc::new(Scripts::new());
-        let queue = if cfg.group_commit {
-            let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
-            tokio::spawn(group_committer(
-                rx,
-                con.clone(),
-                scripts.clone(),
-                cfg.clone(),
-            ));
-            Some(tx)
-        } else {
-            None
-        };
-        let store = RedisStore {
-            con,
-            keys,
-            cfg,
-            scripts,
-            queue,
-        };
-        store.load_scripts().await?;
-        store.epoch_marker().await?;
-        Ok(store)
-    }
+fn parse_run(id: &str, index: &str) -> Result<RunId> {
+    id.parse::<RunId>()
+        .map_err(|e| Error::Corrupt(format!("{index} index holds {id:?}: {e}")))
+}
 
-    /// The key layout in use.
-    pub fn keys(&self) -> &Keys {
-        &self.keys
-    }
+/// The node URLs of `redis+cluster://h1:p1,h2:p2[?query]`, each as `redis://h:p[?query]`.
+fn cluster_nodes(url: &str) -> Option<Vec<String>> {
+    let rest = url.strip_prefix("redis+cluster://")?;
+    let (hosts, query) = match rest.split_once('?') {
+        Some((h, q)) => (h, format!("?{q}")),
+        None => (rest, String::new()),
+    };
+    Some(
+        hosts
+            .trim_end_matches('/')
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("redis://{h}{query}"))
+            .collect(),
+    )
+}
 
-    /// A dedicated connection (for blocking reads such as `XREAD BLOCK`) with no response
-    /// timeout; never use the shared manager for those.
-    pub async fn blocking_connection(&self) -> Result<::redis::aio::MultiplexedConnection> {
-        let client = Client::open(self.cfg.url.as_str())
-            .map_err(|e| Error::Unavailable(format!("redis: bad url: {e}")))?;
-        let c = AsyncConnectionConfig::new()
-            .set_response_timeout(None)
-            .set_connection_timeout(Some(self.cfg.connect_timeout));
-        tokio::time::timeout(
-            self.cfg.connect_timeout,
-            client.get_multiplexed_async_connection_with_config(&c),
-        )
-        .await
-        .map_err(|_| timed_out("connecting", self.cfg.connect_timeout))?
-        .map_err(|e| unavailable("connecting", &e))
-    }
-
-    async fn load_scripts(&self) -> Result<()> {
-        let s = &self.scripts;
-        for script in [
-            &s.create,
-            &s.commit,
-            &s.claim,
-            &s.release,
-            &s.push_control,
-            &s.epoch,
-        ] {
-            let mut con = self.con.clone();
-            self.bounded("loading scripts", script.load_async(&mut con))
-                .await?;
-        }
-        Ok(())
+impl Core {
+    fn is_cluster(&self) -> bool {
+        matches!(self.con, Conn::Cluster(_))
     }
 
     /// Runs one Redis future under `op_timeout`, mapping failures to `Unavailable`.
@@ -371,6 +478,11 @@ impl RedisStore {
         }
     }
 
+    async fn query<T: ::redis::FromRedisValue>(&self, what: &str, cmd: &Cmd) -> Result<T> {
+        let mut con = self.con.clone();
+        self.bounded(what, cmd.query_async(&mut con)).await
+    }
+
     async fn script(
         &self,
         what: &str,
@@ -381,11 +493,297 @@ impl RedisStore {
         parse_reply(v).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
     }
 
+    async fn load_scripts(&self) -> Result<()> {
+        for script in self.scripts.all() {
+            let mut con = self.con.clone();
+            // On a cluster, SCRIPT LOAD goes to every primary.
+            self.bounded("loading scripts", script.load_async(&mut con))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Sends independent commands in one round trip: one pipeline on a single server; on a
+    /// cluster, all at once over the per-node connections (commands of different slots cannot
+    /// share a cluster pipeline). Each command answers for itself.
+    async fn exec_many(&self, what: &str, cmds: &[Cmd]) -> Result<Vec<Answer>> {
+        if cmds.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Conn::Cluster(c) = &self.con {
+            let all = futures::future::join_all(cmds.iter().map(|cmd| {
+                let mut c = c.clone();
+                async move { c.req_packed_command(cmd).await }
+            }));
+            return match tokio::time::timeout(self.cfg.op_timeout, all).await {
+                Ok(results) => Ok(results.into_iter().map(Answer::of_result).collect()),
+                Err(_) => Err(timed_out(what, self.cfg.op_timeout)),
+            };
+        }
+        let mut pipe = ::redis::pipe();
+        pipe.ignore_errors();
+        for c in cmds {
+            pipe.add_command(c.clone());
+        }
+        let mut con = self.con.clone();
+        let values: Vec<Value> = self.bounded(what, pipe.query_async(&mut con)).await?;
+        Ok(values.into_iter().map(Answer::of_value).collect())
+    }
+
+    /// [`Core::exec_many`], and if a script was missing (Redis restarted and lost its script
+    /// cache) loads the scripts and resends those commands once. Resending is safe: an applied
+    /// create or commit is recognised as a replay, and the other scripts are idempotent.
+    async fn exec_scripts(&self, what: &str, cmds: &[Cmd]) -> Result<Vec<Answer>> {
+        let mut answers = self.exec_many(what, cmds).await?;
+        let missing: Vec<usize> = answers
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| matches!(a, Answer::NoScript))
+            .map(|(i, _)| i)
+            .collect();
+        if missing.is_empty() {
+            return Ok(answers);
+        }
+        self.load_scripts().await?;
+        let again: Vec<Cmd> = missing.iter().map(|&i| cmds[i].clone()).collect();
+        let resent = self.exec_many(what, &again).await?;
+        for (i, a) in missing.into_iter().zip(resent) {
+            answers[i] = a;
+        }
+        Ok(answers)
+    }
+
+    /// Sends `first`, then `then`, so that `then` is applied only after every command of
+    /// `first` (one pipeline on a single server, two round trips on a cluster). Any failure of
+    /// `first` stops before `then`.
+    async fn exec_ordered(&self, what: &str, first: Vec<Cmd>, then: Cmd) -> Result<Answer> {
+        if self.is_cluster() {
+            for a in self.exec_many(what, &first).await? {
+                a.value(what)?;
+            }
+            let mut last = self.exec_scripts(what, &[then]).await?;
+            return last
+                .pop()
+                .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")));
+        }
+        let n = first.len();
+        let mut all = first;
+        all.push(then);
+        let mut answers = self.exec_scripts(what, &all).await?;
+        let last = answers
+            .pop()
+            .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")))?;
+        // In one pipeline `then` ran anyway; a failed index write is still reported, and the
+        // caller's retry writes it again.
+        for a in answers.into_iter().take(n) {
+            a.value(what)?;
+        }
+        Ok(last)
+    }
+
+    fn evalsha(&self, script: &Script, keys: &[String]) -> Cmd {
+        let mut cmd = ::redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash()).arg(keys.len()).arg(keys);
+        cmd
+    }
+
+    /// Removes runs that reached a terminal state from the active and due indexes, after their
+    /// terminal commit. A failure leaves stale entries, which readers filter and clean.
+    async fn leave_indexes(&self, runs: &[RunId]) {
+        if runs.is_empty() {
+            return;
+        }
+        let ids: Vec<&str> = runs.iter().map(RunId::as_str).collect();
+        let mut srem = ::redis::cmd("SREM");
+        srem.arg(self.keys.active()).arg(&ids);
+        let mut zrem = ::redis::cmd("ZREM");
+        zrem.arg(self.keys.due()).arg(&ids);
+        let what = "removing finished runs from the indexes";
+        let ok = match self.exec_many(what, &[srem, zrem]).await {
+            Ok(answers) => answers.into_iter().all(|a| a.value(what).is_ok()),
+            Err(_) => false,
+        };
+        if !ok {
+            tracing::debug!(
+                runs = runs.len(),
+                "redis store: finished runs stay in the indexes until read"
+            );
+        }
+    }
+
+    /// Sends a batch of commit commands and answers each job.
+    async fn commit_batch(&self, batch: Vec<CommitJob>) {
+        let cmds: Vec<Cmd> = batch.iter().map(|j| j.cmd.clone()).collect();
+        match self.exec_scripts("committing", &cmds).await {
+            Ok(answers) => {
+                let outcomes: Vec<Result<()>> = batch
+                    .iter()
+                    .zip(answers)
+                    .map(|(job, a)| {
+                        a.reply("committing").and_then(|(code, detail)| {
+                            commit_outcome(&job.run, job.expected, job.token, code, &detail)
+                        })
+                    })
+                    .collect();
+                let finished: Vec<RunId> = batch
+                    .iter()
+                    .zip(&outcomes)
+                    .filter(|(j, r)| j.terminal && r.is_ok())
+                    .map(|(j, _)| j.run.clone())
+                    .collect();
+                self.leave_indexes(&finished).await;
+                for (job, out) in batch.into_iter().zip(outcomes) {
+                    let _ = job.reply.send(out);
+                }
+            }
+            Err(e) => {
+                for job in batch {
+                    let _ = job.reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Of `ids` (from an index), the runs whose checkpoint exists and is not terminal, in the
+    /// same order; entries of terminal runs and dangling entries (runs never created) are
+    /// returned separately, for the caller to remove.
+    async fn live_runs(&self, ids: Vec<RunId>) -> Result<(Vec<RunId>, Vec<RunId>)> {
+        let what = "checking indexed runs";
+        let cmds: Vec<Cmd> = ids
+            .iter()
+            .map(|r| {
+                let mut c = ::redis::cmd("HGET");
+                c.arg(self.keys.ckpt(r)).arg("terminal");
+                c
+            })
+            .collect();
+        let answers = self.exec_many(what, &cmds).await?;
+        let now = now_ms();
+        let (mut live, mut stale) = (Vec::new(), Vec::new());
+        for (run, a) in ids.into_iter().zip(answers) {
+            let terminal: Option<String> = ::redis::from_redis_value(a.value(what)?)
+                .map_err(|e| corrupt(&run, "reading the terminal flag", e))?;
+            match terminal.as_deref() {
+                Some("0") => live.push(run),
+                Some(_) => stale.push(run),
+                None if is_dangling(&run, now) => stale.push(run),
+                None => {}
+            }
+        }
+        Ok((live, stale))
+    }
+
+    /// A dedicated connection for a blocking read: an idle one, or a new one.
+    async fn blocking_conn(&self) -> Result<Conn> {
+        if let Some(c) = self.blocking.lock().await.pop() {
+            return Ok(c);
+        }
+        let wait = self.cfg.connect_timeout + self.cfg.op_timeout;
+        let what = "opening a connection for blocking reads";
+        match &self.source {
+            Source::Single(client) => {
+                let c = AsyncConnectionConfig::new()
+                    .set_response_timeout(None)
+                    .set_connection_timeout(Some(self.cfg.connect_timeout));
+                let con = tokio::time::timeout(
+                    wait,
+                    client.get_multiplexed_async_connection_with_config(&c),
+                )
+                .await
+                .map_err(|_| timed_out(what, wait))?
+                .map_err(|e| unavailable(what, &e))?;
+                Ok(Conn::Dedicated(con))
+            }
+            Source::Cluster(client) => {
+                let con = tokio::time::timeout(wait, client.get_async_connection())
+                    .await
+                    .map_err(|_| timed_out(what, wait))?
+                    .map_err(|e| unavailable(what, &e))?;
+                Ok(Conn::Cluster(con))
+            }
+        }
+    }
+}
+
+impl RedisStore {
+    /// Connects (bounded by `connect_timeout` + `op_timeout`), loads the scripts and writes the
+    /// namespace's epoch marker if it is missing. A `redis+cluster://` URL opens a cluster.
+    pub async fn open(cfg: RedisConfig) -> Result<Self> {
+        let keys = Keys::new(&cfg.namespace).map_err(|e| Error::Unavailable(e.to_string()))?;
+        let wait = cfg.connect_timeout + cfg.op_timeout;
+        let (con, source) = if let Some(nodes) = cluster_nodes(&cfg.url) {
+            if nodes.is_empty() {
+                return Err(Error::Unavailable(format!(
+                    "redis: bad url {:?}: a cluster url names at least one host:port",
+                    cfg.url
+                )));
+            }
+            let build = |response: Duration| {
+                ClusterClient::builder(nodes.clone())
+                    .connection_timeout(cfg.connect_timeout)
+                    .response_timeout(response)
+                    .retries(3)
+                    .build()
+                    .map_err(|e| Error::Unavailable(format!("redis: bad cluster url: {e}")))
+            };
+            let client = build(cfg.op_timeout)?;
+            let blocking = build(MAX_WAKE_BLOCK + cfg.op_timeout)?;
+            let con = tokio::time::timeout(wait, client.get_async_connection())
+                .await
+                .map_err(|_| timed_out("connecting to the cluster", wait))?
+                .map_err(|e| unavailable("connecting to the cluster", &e))?;
+            (Conn::Cluster(con), Source::Cluster(Box::new(blocking)))
+        } else {
+            let client = Client::open(cfg.url.as_str())
+                .map_err(|e| Error::Unavailable(format!("redis: bad url: {e}")))?;
+            let mgr_cfg = ::redis::aio::ConnectionManagerConfig::new()
+                .set_response_timeout(Some(cfg.op_timeout))
+                .set_connection_timeout(Some(cfg.connect_timeout))
+                .set_number_of_retries(3)
+                .set_max_delay(Duration::from_secs(1));
+            let con =
+                tokio::time::timeout(wait, client.get_connection_manager_with_config(mgr_cfg))
+                    .await
+                    .map_err(|_| timed_out("connecting", wait))?
+                    .map_err(|e| unavailable("connecting", &e))?;
+            (Conn::Single(con), Source::Single(client))
+        };
+        let core = Arc::new(Core {
+            con,
+            keys,
+            cfg: cfg.clone(),
+            scripts: Scripts::new(),
+            source,
+            blocking: tokio::sync::Mutex::new(Vec::new()),
+        });
+        let queue = if cfg.group_commit {
+            let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
+            tokio::spawn(group_committer(rx, core.clone()));
+            Some(tx)
+        } else {
+            None
+        };
+        let store = RedisStore { core, queue };
+        store.core.load_scripts().await?;
+        store.epoch_marker().await?;
+        Ok(store)
+    }
+
+    /// The key layout in use.
+    pub fn keys(&self) -> &Keys {
+        &self.core.keys
+    }
+
+    /// Whether this store runs on Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.core.is_cluster()
+    }
+
     async fn epoch_marker(&self) -> Result<String> {
         let fresh = uuid::Uuid::new_v4().simple().to_string();
-        let mut inv = self.scripts.epoch.prepare_invoke();
-        inv.key(self.keys.epoch()).arg(fresh);
-        let (_, epoch) = self.script("reading the epoch marker", inv).await?;
+        let mut inv = self.core.scripts.epoch.prepare_invoke();
+        inv.key(self.core.keys.epoch()).arg(fresh);
+        let (_, epoch) = self.core.script("reading the epoch marker", inv).await?;
         Ok(epoch)
     }
 
@@ -400,19 +798,17 @@ impl RedisStore {
         let doc = serde_json::to_string(checkpoint)
             .map_err(|e| corrupt(run, "encoding checkpoint", e))?;
         let events = encode_events(run, events)?;
-        let mut cmd = ::redis::cmd("EVALSHA");
-        cmd.arg(self.scripts.commit.get_hash())
-            .arg(3)
-            .arg(self.keys.ckpt(run))
-            .arg(self.keys.events(run))
-            .arg(self.keys.active())
-            .arg(lease.token)
+        let keys = &self.core.keys;
+        let mut cmd = self.core.evalsha(
+            &self.core.scripts.commit,
+            &[keys.ckpt(run), keys.events(run)],
+        );
+        cmd.arg(lease.token)
             .arg(expected)
             .arg(checkpoint.version)
             .arg(doc)
             .arg(&checkpoint.status)
             .arg(terminal_arg(checkpoint))
-            .arg(run.as_str())
             .arg(events.len());
         for (seq, json) in events {
             cmd.arg(seq).arg(json);
@@ -420,82 +816,82 @@ impl RedisStore {
         Ok(cmd)
     }
 
-    async fn commit_direct(&self, job: CommitJob) -> Result<()> {
-        let CommitJob {
-            run,
-            expected,
-            token,
-            cmd,
-            ..
-        } = job;
-        let mut results = run_batch(&self.con, &self.scripts, &self.cfg, vec![cmd]).await?;
-        let v = results
-            .pop()
-            .ok_or_else(|| Error::Corrupt(format!("run {run}: empty commit reply")))?;
-        let (code, detail) = v?;
-        commit_outcome(&run, expected, token, code, &detail)
-    }
-
     fn decode_checkpoint(run: &RunId, doc: &str) -> Result<Checkpoint> {
         serde_json::from_str(doc).map_err(|e| corrupt(run, "decoding checkpoint", e))
     }
-}
 
-/// Sends one pipeline of EVALSHA commands and returns each command's `{code, detail}`. A
-/// NOSCRIPT (Redis restarted and lost its script cache) loads the scripts and resends once;
-/// resending is safe because a commit that did apply is recognised as a replay.
-async fn run_batch(
-    con: &ConnectionManager,
-    scripts: &Scripts,
-    cfg: &RedisConfig,
-    cmds: Vec<Cmd>,
-) -> Result<Vec<Result<(i64, String)>>> {
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        let mut pipe = ::redis::pipe();
-        pipe.ignore_errors();
-        for c in &cmds {
-            pipe.add_command(c.clone());
-        }
-        let mut c = con.clone();
-        let values: Vec<Value> =
-            match tokio::time::timeout(cfg.op_timeout, pipe.query_async(&mut c)).await {
-                Ok(Ok(v)) => v,
-                Ok(Err(e)) => return Err(unavailable("committing", &e)),
-                Err(_) => return Err(timed_out("committing", cfg.op_timeout)),
-            };
-        let noscript = values.iter().any(
-            |v| matches!(v, Value::ServerError(e) if e.kind() == Some(ServerErrorKind::NoScript)),
-        );
-        if noscript && attempt == 1 {
-            let mut c = con.clone();
-            match tokio::time::timeout(cfg.op_timeout, scripts.commit.load_async(&mut c)).await {
-                Ok(Ok(_)) => continue,
-                Ok(Err(e)) => return Err(unavailable("loading the commit script", &e)),
-                Err(_) => return Err(timed_out("loading the commit script", cfg.op_timeout)),
+    fn due_cmd(&self, runs: &[&RunId], at_ms: Option<u64>) -> Cmd {
+        match at_ms {
+            Some(at) => {
+                let mut c = ::redis::cmd("ZADD");
+                c.arg(self.core.keys.due());
+                for r in runs {
+                    c.arg(at).arg(r.as_str());
+                }
+                c
+            }
+            None => {
+                let mut c = ::redis::cmd("ZREM");
+                c.arg(self.core.keys.due());
+                for r in runs {
+                    c.arg(r.as_str());
+                }
+                c
             }
         }
-        return Ok(values
+    }
+
+    /// Sets the due time of `runs` (none: nothing to do).
+    async fn set_due_many(&self, what: &str, runs: &[&RunId], at_ms: Option<u64>) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let _: Value = self.core.query(what, &self.due_cmd(runs, at_ms)).await?;
+        Ok(())
+    }
+
+    async fn node_hold(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        let mut inv = self.core.scripts.node_hold.prepare_invoke();
+        inv.key(self.core.keys.node_owner(node_id))
+            .arg(instance)
+            .arg(ttl.as_millis().max(1) as u64);
+        let (code, _) = self
+            .core
+            .script(&format!("holding node id {node_id}"), inv)
+            .await?;
+        match code {
+            OK => Ok(()),
+            NODE_HELD => Err(Error::NodeIdInUse {
+                node: node_id.to_owned(),
+            }),
+            other => Err(Error::Corrupt(format!(
+                "node {node_id}: node script answered code {other}"
+            ))),
+        }
+    }
+
+    /// The id of the newest entry of a stream, or `0-0` if it is empty.
+    async fn stream_tail(con: &mut Conn, key: &str) -> ::redis::RedisResult<String> {
+        let last: Vec<(String, Vec<String>)> = ::redis::cmd("XREVRANGE")
+            .arg(key)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(con)
+            .await?;
+        Ok(last
             .into_iter()
-            .map(|v| match v {
-                Value::ServerError(e) => Err(Error::Unavailable(format!("redis: commit: {e:?}"))),
-                v => parse_reply(v).map_err(Error::Corrupt),
-            })
-            .collect());
+            .next()
+            .map_or_else(|| "0-0".to_owned(), |(id, _)| id))
     }
 }
 
-/// Collects queued commits into batches and sends each batch as one pipeline, with at most
-/// `max_inflight` pipelines outstanding. Ends when the store (the queue's sender) is dropped.
-async fn group_committer(
-    mut rx: mpsc::Receiver<CommitJob>,
-    con: ConnectionManager,
-    scripts: Arc<Scripts>,
-    cfg: RedisConfig,
-) {
-    let inflight = Arc::new(Semaphore::new(cfg.max_inflight.max(1)));
-    let max_batch = cfg.max_batch.max(1);
+/// Collects queued commits into batches and sends each batch in one round trip, with at most
+/// `max_inflight` batches outstanding. Ends when the store (the queue's sender) is dropped.
+async fn group_committer(mut rx: mpsc::Receiver<CommitJob>, core: Arc<Core>) {
+    let inflight = Arc::new(Semaphore::new(core.cfg.max_inflight.max(1)));
+    let max_batch = core.cfg.max_batch.max(1);
     while let Some(first) = rx.recv().await {
         // Wait for a free slot first: while every slot is busy, arriving commits pile up in
         // the queue and go out together in the next batch.
@@ -509,26 +905,9 @@ async fn group_committer(
                 Err(_) => break,
             }
         }
-        let con = con.clone();
-        let scripts = scripts.clone();
-        let cfg = cfg.clone();
+        let core = core.clone();
         tokio::spawn(async move {
-            let cmds: Vec<Cmd> = batch.iter().map(|j| j.cmd.clone()).collect();
-            match run_batch(&con, &scripts, &cfg, cmds).await {
-                Ok(results) => {
-                    for (job, r) in batch.into_iter().zip(results) {
-                        let out = r.and_then(|(code, detail)| {
-                            commit_outcome(&job.run, job.expected, job.token, code, &detail)
-                        });
-                        let _ = job.reply.send(out);
-                    }
-                }
-                Err(e) => {
-                    for job in batch {
-                        let _ = job.reply.send(Err(e.clone()));
-                    }
-                }
-            }
+            core.commit_batch(batch).await;
             drop(permit);
         });
     }
@@ -543,33 +922,69 @@ impl CheckpointStore for RedisStore {
         client_key: Option<&str>,
     ) -> Result<CreateOutcome> {
         let run = &checkpoint.run_id;
+        // Checked here too, so that a bad create does not use up its client key.
+        check_seq(run, 0, events.iter().map(|e| e.seq))?;
+        let keys = &self.core.keys;
+        let what = format!("creating run {run}");
+        if let Some(k) = client_key {
+            // The key first: a concurrent create with the same key loses here. SET NX and GET
+            // touch one key, so they share a pipeline even on a cluster.
+            let key = keys.client_key(&checkpoint.tenant, k);
+            let mut pipe = ::redis::pipe();
+            pipe.cmd("SET")
+                .arg(&key)
+                .arg(run.as_str())
+                .arg("NX")
+                .ignore()
+                .cmd("GET")
+                .arg(&key);
+            let mut con = self.core.con.clone();
+            let (owner,): (Option<String>,) =
+                self.core.bounded(&what, pipe.query_async(&mut con)).await?;
+            let owner = owner.ok_or_else(|| {
+                Error::Unavailable(format!("redis: {what}: the client key vanished"))
+            })?;
+            let owner: RunId = owner
+                .parse()
+                .map_err(|e| corrupt(run, "client key maps to a bad run id", e))?;
+            if &owner != run {
+                return Ok(CreateOutcome::Existing(owner));
+            }
+        }
         let doc = serde_json::to_string(checkpoint)
             .map_err(|e| corrupt(run, "encoding checkpoint", e))?;
-        let mut inv = self.scripts.create.prepare_invoke();
-        inv.key(self.keys.ckpt(run))
-            .key(self.keys.events(run))
-            .key(self.keys.active())
-            .key(self.keys.tenant_runs(&checkpoint.tenant));
-        if let Some(k) = client_key {
-            inv.key(self.keys.client_key(&checkpoint.tenant, k));
-        }
-        inv.arg(run.as_str())
+        let mut script = self.core.evalsha(
+            &self.core.scripts.create,
+            &[keys.ckpt(run), keys.events(run)],
+        );
+        script
             .arg(checkpoint.version)
             .arg(doc)
             .arg(&checkpoint.status)
             .arg(terminal_arg(checkpoint))
             .arg(events.len());
         for (seq, json) in encode_events(run, events)? {
-            inv.arg(seq).arg(json);
+            script.arg(seq).arg(json);
         }
-        let what = format!("creating run {run}");
-        let (code, detail) = self.script(&what, inv).await?;
+        // Indexes before the checkpoint: a crash in between leaves entries readers skip.
+        let mut indexes = Vec::new();
+        if !checkpoint.terminal {
+            let mut c = ::redis::cmd("SADD");
+            c.arg(keys.active()).arg(run.as_str());
+            indexes.push(c);
+        }
+        let mut c = ::redis::cmd("ZADD");
+        c.arg(keys.tenant_runs(&checkpoint.tenant))
+            .arg(0)
+            .arg(run.as_str());
+        indexes.push(c);
+        let (code, detail) = self
+            .core
+            .exec_ordered(&what, indexes, script)
+            .await?
+            .reply(&what)?;
         match code {
             OK => Ok(CreateOutcome::Created),
-            EXISTING => detail
-                .parse()
-                .map(CreateOutcome::Existing)
-                .map_err(|e| corrupt(run, "client key maps to a bad run id", e)),
             CONFLICT => Err(Error::VersionConflict {
                 run: run.clone(),
                 expected: 0,
@@ -586,15 +1001,13 @@ impl CheckpointStore for RedisStore {
     }
 
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>> {
-        let mut con = self.con.clone();
-        let what = format!("loading run {run}");
         let doc: Option<String> = self
-            .bounded(
-                &what,
+            .core
+            .query(
+                &format!("loading run {run}"),
                 ::redis::cmd("HGET")
-                    .arg(self.keys.ckpt(run))
-                    .arg("doc")
-                    .query_async(&mut con),
+                    .arg(self.core.keys.ckpt(run))
+                    .arg("doc"),
             )
             .await?;
         doc.map(|d| Self::decode_checkpoint(run, &d)).transpose()
@@ -614,20 +1027,25 @@ impl CheckpointStore for RedisStore {
             run: run.clone(),
             expected: expected_version,
             token: lease.token,
+            terminal: checkpoint.terminal,
             cmd,
             reply,
         };
-        let Some(queue) = &self.queue else {
-            return self.commit_direct(job).await;
-        };
-        let t = self.cfg.op_timeout;
-        queue.send_timeout(job, t).await.map_err(|_| {
-            Error::Unavailable(format!(
-                "redis: committing run {run}: commit queue full for {t:?}"
-            ))
-        })?;
+        let limit = self.core.cfg.op_timeout * 2;
+        match &self.queue {
+            None => {
+                self.core.commit_batch(vec![job]).await;
+            }
+            Some(queue) => {
+                let t = self.core.cfg.op_timeout;
+                queue.send_timeout(job, t).await.map_err(|_| {
+                    Error::Unavailable(format!(
+                        "redis: committing run {run}: commit queue full for {t:?}"
+                    ))
+                })?;
+            }
+        }
         // The batch's own timeout is `op_timeout`; allow it to queue behind other batches.
-        let limit = t * 2;
         match tokio::time::timeout(limit, wait).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(Error::Unavailable(format!(
@@ -638,20 +1056,26 @@ impl CheckpointStore for RedisStore {
     }
 
     async fn claim(&self, run: &RunId, owner: &str, ttl: Duration) -> Result<Lease> {
-        let mut inv = self.scripts.claim.prepare_invoke();
-        inv.key(self.keys.ckpt(run))
-            .key(self.keys.lease(run))
+        let mut inv = self.core.scripts.claim.prepare_invoke();
+        inv.key(self.core.keys.ckpt(run))
+            .key(self.core.keys.lease(run))
             .arg(owner)
             .arg(ttl.as_millis().max(1) as u64);
-        let (code, detail) = self.script(&format!("claiming run {run}"), inv).await?;
+        let what = format!("claiming run {run}");
+        let (code, detail) = self.core.script(&what, inv).await?;
         match code {
-            OK => Ok(Lease {
-                run_id: run.clone(),
-                owner: owner.to_owned(),
-                token: detail
-                    .parse()
-                    .map_err(|e| corrupt(run, "bad lease token", e))?,
-            }),
+            OK => {
+                let lease = Lease {
+                    run_id: run.clone(),
+                    owner: owner.to_owned(),
+                    token: detail
+                        .parse()
+                        .map_err(|e| corrupt(run, "bad lease token", e))?,
+                };
+                // After the claim: if this fails the caller claims again (a newer token).
+                self.set_due_many(&what, &[run], Some(due_in(ttl))).await?;
+                Ok(lease)
+            }
             NOT_FOUND => Err(Error::NotFound(run.clone())),
             HELD => Err(Error::LeaseHeld {
                 run: run.clone(),
@@ -665,37 +1089,273 @@ impl CheckpointStore for RedisStore {
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         let run = &lease.run_id;
-        let mut inv = self.scripts.release.prepare_invoke();
-        inv.key(self.keys.ckpt(run))
-            .key(self.keys.lease(run))
+        let mut inv = self.core.scripts.release.prepare_invoke();
+        inv.key(self.core.keys.ckpt(run))
+            .key(self.core.keys.lease(run))
             .arg(lease.token);
-        self.script(&format!("releasing run {run}"), inv).await?;
+        self.core
+            .script(&format!("releasing run {run}"), inv)
+            .await?;
         Ok(())
+    }
+
+    async fn renew_leases(
+        &self,
+        owner: &str,
+        leases: &[Lease],
+        ttl: Duration,
+    ) -> Result<Vec<RunId>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = &self.core.keys;
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let mut cmds: Vec<Cmd> = leases
+            .iter()
+            .map(|l| {
+                let mut c = self.core.evalsha(
+                    &self.core.scripts.renew,
+                    &[keys.ckpt(&l.run_id), keys.lease(&l.run_id)],
+                );
+                c.arg(owner).arg(l.token).arg(ttl_ms);
+                c
+            })
+            .collect();
+        // Due times move in the same round trip, for every lease: one whose renewal fails has
+        // another owner (who set its own due time moments ago, so this moves it by at most the
+        // renewal interval) or is gone (readers clean such entries).
+        let runs: Vec<&RunId> = leases.iter().map(|l| &l.run_id).collect();
+        cmds.push(self.due_cmd(&runs, Some(due_in(ttl))));
+        let what = format!("renewing {} leases", leases.len());
+        let mut answers = self.core.exec_scripts(&what, &cmds).await?;
+        if let Some(due) = answers.pop() {
+            due.value(&what)?;
+        }
+        let mut lost = Vec::new();
+        for (l, a) in leases.iter().zip(answers) {
+            match a.reply(&what)? {
+                (OK, _) => {}
+                (FENCED | HELD, _) => lost.push(l.run_id.clone()),
+                (other, _) => {
+                    return Err(Error::Corrupt(format!(
+                        "run {}: renew script answered code {other}",
+                        l.run_id
+                    )));
+                }
+            }
+        }
+        Ok(lost)
+    }
+
+    async fn release_many(&self, leases: &[Lease], due_at_ms: Option<u64>) -> Result<()> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let keys = &self.core.keys;
+        let cmds: Vec<Cmd> = leases
+            .iter()
+            .map(|l| {
+                let mut c = self.core.evalsha(
+                    &self.core.scripts.release,
+                    &[keys.ckpt(&l.run_id), keys.lease(&l.run_id)],
+                );
+                c.arg(l.token);
+                c
+            })
+            .collect();
+        let what = format!("releasing {} leases", leases.len());
+        let answers = self.core.exec_scripts(&what, &cmds).await?;
+        let mut released = Vec::new();
+        for (l, a) in leases.iter().zip(answers) {
+            if a.reply(&what)?.1 == "1" {
+                released.push(&l.run_id);
+            }
+        }
+        // A second round trip, only for the leases that were still ours: the due time of a
+        // run someone else owns now is theirs.
+        self.set_due_many(&what, &released, due_at_ms).await
+    }
+
+    async fn set_due(&self, run: &RunId, at_ms: Option<u64>) -> Result<()> {
+        self.set_due_many(&format!("setting the due time of run {run}"), &[run], at_ms)
+            .await
+    }
+
+    async fn due_runs(&self, now_ms: u64, limit: usize) -> Result<Vec<RunId>> {
+        let key = self.core.keys.due();
+        let batch = (limit + 1).clamp(16, 1000);
+        let mut out = Vec::new();
+        // Entries passed over and kept (live runs, creates in flight), so later pages start
+        // after them.
+        let mut kept = 0usize;
+        for _ in 0..16 {
+            if out.len() >= limit {
+                break;
+            }
+            let ids: Vec<String> = self
+                .core
+                .query(
+                    "listing due runs",
+                    ::redis::cmd("ZRANGE")
+                        .arg(&key)
+                        .arg("-inf")
+                        .arg(now_ms)
+                        .arg("BYSCORE")
+                        .arg("LIMIT")
+                        .arg(kept)
+                        .arg(batch),
+                )
+                .await?;
+            let full = ids.len() == batch;
+            let runs = ids
+                .iter()
+                .map(|id| parse_run(id, "due"))
+                .collect::<Result<Vec<_>>>()?;
+            let n = runs.len();
+            let (live, stale) = self.core.live_runs(runs).await?;
+            kept += n - stale.len();
+            let stale: Vec<&RunId> = stale.iter().collect();
+            self.set_due_many("cleaning the due index", &stale, None)
+                .await?;
+            out.extend(live);
+            if !full {
+                break;
+            }
+        }
+        out.truncate(limit);
+        Ok(out)
+    }
+
+    async fn lease_holder(&self, run: &RunId) -> Result<Option<String>> {
+        self.core
+            .query(
+                &format!("reading the lease of run {run}"),
+                ::redis::cmd("HGET")
+                    .arg(self.core.keys.lease(run))
+                    .arg("owner"),
+            )
+            .await
+    }
+
+    async fn register_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        self.node_hold(node_id, instance, ttl).await
+    }
+
+    async fn heartbeat_node(&self, node_id: &str, instance: &str, ttl: Duration) -> Result<()> {
+        self.node_hold(node_id, instance, ttl).await
+    }
+
+    async fn unregister_node(&self, node_id: &str, instance: &str) -> Result<()> {
+        let mut inv = self.core.scripts.node_release.prepare_invoke();
+        inv.key(self.core.keys.node_owner(node_id)).arg(instance);
+        self.core
+            .script(&format!("releasing node id {node_id}"), inv)
+            .await?;
+        Ok(())
+    }
+
+    async fn notify_node(&self, node_id: &str, run: &RunId) -> Result<()> {
+        let _: Value = self
+            .core
+            .query(
+                &format!("waking node {node_id}"),
+                ::redis::cmd("XADD")
+                    .arg(self.core.keys.node_wake(node_id))
+                    .arg("MAXLEN")
+                    .arg("~")
+                    .arg(WAKE_STREAM_LEN)
+                    .arg("*")
+                    .arg("r")
+                    .arg(run.as_str()),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn wakeups(
+        &self,
+        node_id: &str,
+        cursor: &str,
+        block: Duration,
+    ) -> Result<(Vec<RunId>, String)> {
+        let key = self.core.keys.node_wake(node_id);
+        let block = block.min(MAX_WAKE_BLOCK);
+        let what = format!("reading wake-ups of node {node_id}");
+        let mut con = self.core.blocking_conn().await?;
+        let read = async {
+            let from = if cursor.is_empty() {
+                Self::stream_tail(&mut con, &key).await?
+            } else {
+                cursor.to_owned()
+            };
+            let mut cmd = ::redis::cmd("XREAD");
+            cmd.arg("COUNT").arg(WAKE_READ_COUNT);
+            if !block.is_zero() {
+                cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
+            }
+            cmd.arg("STREAMS").arg(&key).arg(&from);
+            type Reply = Option<Vec<(String, Vec<(String, Vec<String>)>)>>;
+            let reply: Reply = cmd.query_async(&mut con).await?;
+            ::redis::RedisResult::Ok((from, reply))
+        };
+        let limit = block + self.core.cfg.op_timeout;
+        // On a failure or timeout the connection is dropped: its state is unknown.
+        let (from, reply) = match tokio::time::timeout(limit, read).await {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => return Err(unavailable(&what, &e)),
+            Err(_) => return Err(timed_out(&what, limit)),
+        };
+        self.core.blocking.lock().await.push(con);
+        let mut next = from;
+        let mut runs = Vec::new();
+        for (_, entries) in reply.unwrap_or_default() {
+            for (id, fields) in entries {
+                let run = fields
+                    .chunks(2)
+                    .find(|kv| kv.first().is_some_and(|k| k == "r"))
+                    .and_then(|kv| kv.get(1))
+                    .map(|r| parse_run(r, "wake-up"))
+                    .transpose()?;
+                runs.extend(run);
+                next = id;
+            }
+        }
+        Ok((runs, next))
     }
 
     async fn active_runs(&self) -> Result<Vec<RunId>> {
         // SSCAN rather than SMEMBERS: a large set must not block Redis.
-        let key = self.keys.active();
+        let key = self.core.keys.active();
         let mut cursor: u64 = 0;
         let mut ids = Vec::new();
         loop {
-            let mut con = self.con.clone();
             let (next, batch): (u64, Vec<String>) = self
-                .bounded(
+                .core
+                .query(
                     "listing active runs",
                     ::redis::cmd("SSCAN")
                         .arg(&key)
                         .arg(cursor)
                         .arg("COUNT")
-                        .arg(1000)
-                        .query_async(&mut con),
+                        .arg(1000),
                 )
                 .await?;
-            for id in batch {
-                ids.push(
-                    id.parse::<RunId>()
-                        .map_err(|e| Error::Corrupt(format!("active index holds {id:?}: {e}")))?,
-                );
+            let runs = batch
+                .iter()
+                .map(|id| parse_run(id, "active"))
+                .collect::<Result<Vec<_>>>()?;
+            let (live, stale) = self.core.live_runs(runs).await?;
+            ids.extend(live);
+            if !stale.is_empty() {
+                let _: Value = self
+                    .core
+                    .query(
+                        "cleaning the active index",
+                        ::redis::cmd("SREM")
+                            .arg(&key)
+                            .arg(stale.iter().map(RunId::as_str).collect::<Vec<_>>()),
+                    )
+                    .await?;
             }
             if next == 0 {
                 break;
@@ -714,7 +1374,7 @@ impl CheckpointStore for RedisStore {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<RunPage> {
-        let key = self.keys.tenant_runs(tenant);
+        let key = self.core.keys.tenant_runs(tenant);
         let batch = (limit + 1).clamp(16, 500);
         let mut items: Vec<Checkpoint> = Vec::new();
         let mut upper = match cursor {
@@ -722,19 +1382,19 @@ impl CheckpointStore for RedisStore {
             Some(c) => format!("({c}"),
             None => "+".to_owned(),
         };
+        let what = "listing runs";
         loop {
-            let mut con = self.con.clone();
             let ids: Vec<String> = self
-                .bounded(
-                    "listing runs",
+                .core
+                .query(
+                    what,
                     ::redis::cmd("ZREVRANGEBYLEX")
                         .arg(&key)
                         .arg(&upper)
                         .arg("-")
                         .arg("LIMIT")
                         .arg(0)
-                        .arg(batch)
-                        .query_async(&mut con),
+                        .arg(batch),
                 )
                 .await?;
             if ids.is_empty() {
@@ -742,21 +1402,28 @@ impl CheckpointStore for RedisStore {
             }
             let runs: Vec<RunId> = ids
                 .iter()
-                .map(|id| {
-                    id.parse::<RunId>()
-                        .map_err(|e| Error::Corrupt(format!("tenant index holds {id:?}: {e}")))
-                })
+                .map(|id| parse_run(id, "tenant"))
                 .collect::<Result<_>>()?;
-            let mut pipe = ::redis::pipe();
-            for r in &runs {
-                pipe.cmd("HGET").arg(self.keys.ckpt(r)).arg("doc");
-            }
-            let mut con = self.con.clone();
-            let docs: Vec<Option<String>> = self
-                .bounded("listing runs", pipe.query_async(&mut con))
-                .await?;
-            for (r, doc) in runs.iter().zip(docs) {
-                let Some(doc) = doc else { continue };
+            let cmds: Vec<Cmd> = runs
+                .iter()
+                .map(|r| {
+                    let mut c = ::redis::cmd("HGET");
+                    c.arg(self.core.keys.ckpt(r)).arg("doc");
+                    c
+                })
+                .collect();
+            let answers = self.core.exec_many(what, &cmds).await?;
+            let now = now_ms();
+            let mut dangling = Vec::new();
+            for (r, a) in runs.iter().zip(answers) {
+                let doc: Option<String> = ::redis::from_redis_value(a.value(what)?)
+                    .map_err(|e| corrupt(r, "reading the checkpoint", e))?;
+                let Some(doc) = doc else {
+                    if is_dangling(r, now) {
+                        dangling.push(r.as_str());
+                    }
+                    continue;
+                };
                 let c = Self::decode_checkpoint(r, &doc)?;
                 let keep = c.tenant == tenant
                     && filter.status.as_ref().is_none_or(|s| &c.status == s)
@@ -767,6 +1434,15 @@ impl CheckpointStore for RedisStore {
                         break;
                     }
                 }
+            }
+            if !dangling.is_empty() {
+                let _: Value = self
+                    .core
+                    .query(
+                        "cleaning the tenant index",
+                        ::redis::cmd("ZREM").arg(&key).arg(&dangling),
+                    )
+                    .await?;
             }
             if items.len() > limit || ids.len() < batch {
                 break;
@@ -784,11 +1460,12 @@ impl CheckpointStore for RedisStore {
             control: control.clone(),
         })
         .map_err(|e| corrupt(run, "encoding control", e))?;
-        let mut inv = self.scripts.push_control.prepare_invoke();
-        inv.key(self.keys.ckpt(run))
-            .key(self.keys.controls(run))
+        let mut inv = self.core.scripts.push_control.prepare_invoke();
+        inv.key(self.core.keys.ckpt(run))
+            .key(self.core.keys.controls(run))
             .arg(record);
         let (code, detail) = self
+            .core
             .script(&format!("storing a control for run {run}"), inv)
             .await?;
         match code {
@@ -803,15 +1480,14 @@ impl CheckpointStore for RedisStore {
     }
 
     async fn controls(&self, run: &RunId, after: u64) -> Result<Vec<ControlRecord>> {
-        let mut con = self.con.clone();
         let raw: Vec<String> = self
-            .bounded(
+            .core
+            .query(
                 &format!("reading controls of run {run}"),
                 ::redis::cmd("LRANGE")
-                    .arg(self.keys.controls(run))
+                    .arg(self.core.keys.controls(run))
                     .arg(after)
-                    .arg(-1)
-                    .query_async(&mut con),
+                    .arg(-1),
             )
             .await?;
         raw.iter()
@@ -829,10 +1505,7 @@ impl CheckpointStore for RedisStore {
     }
 
     async fn ping(&self) -> Result<()> {
-        let mut con = self.con.clone();
-        let _: String = self
-            .bounded("ping", ::redis::cmd("PING").query_async(&mut con))
-            .await?;
+        let _: String = self.core.query("ping", &::redis::cmd("PING")).await?;
         Ok(())
     }
 
@@ -847,17 +1520,16 @@ impl EventLog for RedisStore {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let mut con = self.con.clone();
         let entries: Vec<(String, Vec<String>)> = self
-            .bounded(
+            .core
+            .query(
                 &format!("reading events of run {run}"),
                 ::redis::cmd("XRANGE")
-                    .arg(self.keys.events(run))
+                    .arg(self.core.keys.events(run))
                     .arg(format!("{}-0", after.saturating_add(1)))
                     .arg("+")
                     .arg("COUNT")
-                    .arg(limit)
-                    .query_async(&mut con),
+                    .arg(limit),
             )
             .await?;
         entries
@@ -871,5 +1543,25 @@ impl EventLog for RedisStore {
                 serde_json::from_str(json).map_err(|e| corrupt(run, "decoding event", e))
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_name_every_node() {
+        assert_eq!(
+            cluster_nodes("redis+cluster://a:1,b:2"),
+            Some(vec!["redis://a:1".to_owned(), "redis://b:2".to_owned()])
+        );
+        assert_eq!(
+            cluster_nodes("redis+cluster://h:7000/?protocol=resp3"),
+            Some(vec!["redis://h:7000?protocol=resp3".to_owned()])
+        );
+        assert_eq!(cluster_nodes("redis://h:1"), None);
+        assert_eq!(cluster_nodes("redis+cluster://"), Some(vec![]));
     }
 }

@@ -516,6 +516,305 @@ async fn racing_writers_one_wins_each_version(s: &dyn Store) {
     assert_eq!(s.read(&run, 0, 100).await.unwrap().len(), 21);
 }
 
+/// A run id whose UUIDv7 says it was made at the Unix epoch: an index entry for it with no
+/// checkpoint is long dangling.
+fn ancient_id() -> RunId {
+    "run_000000000000700080000000000000aa".parse().unwrap()
+}
+
+fn now() -> u64 {
+    agentd::clock::now_ms()
+}
+
+async fn renew_returns_lost_leases(s: &dyn Store) {
+    let [kept, released, taken, lapsed] = <[RunId; 4]>::try_from(ids(4)).unwrap();
+    for r in [&kept, &released, &taken, &lapsed] {
+        s.create(&ckpt(r, "t1", 1), &[ev(1)], None).await.unwrap();
+    }
+    let short = Duration::from_millis(150);
+    let l_kept = s.claim(&kept, "node-a", TTL).await.unwrap();
+    let l_released = s.claim(&released, "node-a", TTL).await.unwrap();
+    let l_taken = s.claim(&taken, "node-a", short).await.unwrap();
+    let l_lapsed = s.claim(&lapsed, "node-a", short).await.unwrap();
+    assert_eq!(s.renew_leases("node-a", &[], TTL).await.unwrap(), vec![]);
+    s.release(&l_released).await.unwrap();
+    let l_b = eventually(
+        "node-a's short lease to lapse",
+        Duration::from_secs(5),
+        || async { s.claim(&taken, "node-b", TTL).await.ok() },
+    )
+    .await;
+    assert!(l_b.token > l_taken.token);
+    assert_eq!(s.lease_holder(&lapsed).await.unwrap(), None, "expired");
+    let ghost = Lease {
+        run_id: RunId::generate(),
+        owner: "node-a".into(),
+        token: 1,
+    };
+    let all = [
+        l_kept.clone(),
+        l_released,
+        l_taken,
+        l_lapsed.clone(),
+        ghost.clone(),
+    ];
+    let lost: HashSet<RunId> = s
+        .renew_leases("node-a", &all, TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let expected: HashSet<RunId> = [released.clone(), taken.clone(), ghost.run_id].into();
+    assert_eq!(lost, expected);
+    // Renewed: the expired lease nobody took is ours again, live, and commits still work.
+    assert_eq!(
+        s.lease_holder(&kept).await.unwrap().as_deref(),
+        Some("node-a")
+    );
+    assert_eq!(
+        s.lease_holder(&lapsed).await.unwrap().as_deref(),
+        Some("node-a")
+    );
+    assert_eq!(
+        s.lease_holder(&taken).await.unwrap().as_deref(),
+        Some("node-b")
+    );
+    assert_eq!(s.lease_holder(&released).await.unwrap(), None);
+    let err = s.claim(&lapsed, "node-b", TTL).await.unwrap_err();
+    assert!(matches!(err, Error::LeaseHeld { .. }), "{err:?}");
+    let c = s.load(&lapsed).await.unwrap().unwrap();
+    step(s, &l_lapsed, &c).await;
+    // Another owner cannot renew a lease by its token.
+    assert_eq!(
+        s.renew_leases("node-b", std::slice::from_ref(&l_kept), TTL)
+            .await
+            .unwrap(),
+        vec![kept.clone()]
+    );
+    // Renewed leases are not due before their new expiry.
+    let due = s.due_runs(now(), 100).await.unwrap();
+    assert!(!due.contains(&kept) && !due.contains(&lapsed), "{due:?}");
+}
+
+async fn dead_owner_runs_fall_due_and_move_on(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let a = s
+        .claim(&run, "node-a", Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.lease_holder(&run).await.unwrap().as_deref(),
+        Some("node-a")
+    );
+    // node-a dies: it renews nothing; the run falls due when its lease lapses.
+    eventually(
+        "the dead owner's run to fall due",
+        Duration::from_secs(5),
+        || async {
+            s.due_runs(now(), 100)
+                .await
+                .unwrap()
+                .contains(&run)
+                .then_some(())
+        },
+    )
+    .await;
+    let b = eventually("node-b to claim it", Duration::from_secs(5), || async {
+        s.claim(&run, "node-b", TTL).await.ok()
+    })
+    .await;
+    assert!(b.token > a.token, "{} > {}", b.token, a.token);
+    assert!(!s.due_runs(now(), 100).await.unwrap().contains(&run));
+    assert!(
+        s.due_runs(now() + 2 * TTL.as_millis() as u64, 100)
+            .await
+            .unwrap()
+            .contains(&run)
+    );
+    let err = s.commit(&a, &ckpt(&run, "t1", 2), 1, &[ev(2)]).await;
+    assert!(matches!(err, Err(Error::Fenced { .. })), "{err:?}");
+}
+
+async fn due_index_follows_release_and_set_due(s: &dyn Store) {
+    let runs = ids(6);
+    let [now_run, later, idle, stale, done, fresh] = <[RunId; 6]>::try_from(runs.clone()).unwrap();
+    let mut leases = Vec::new();
+    for r in &runs {
+        s.create(&ckpt(r, "t1", 1), &[ev(1)], None).await.unwrap();
+        leases.push(s.claim(r, "node-a", TTL).await.unwrap());
+    }
+    let t0 = now();
+    let hour = 3_600_000;
+    s.release_many(&leases[0..1], Some(t0)).await.unwrap();
+    s.release_many(&leases[1..2], Some(t0 + hour))
+        .await
+        .unwrap();
+    s.release_many(&leases[2..3], None).await.unwrap();
+    for r in [&now_run, &later, &idle] {
+        assert_eq!(s.lease_holder(r).await.unwrap(), None, "released");
+    }
+    // A release of a lease no longer held changes nothing, due time included.
+    let newer = s.claim(&stale, "node-a", TTL).await.unwrap();
+    s.release_many(&leases[3..4], Some(t0)).await.unwrap();
+    assert_eq!(
+        s.lease_holder(&stale).await.unwrap().as_deref(),
+        Some("node-a")
+    );
+    let c = s.load(&stale).await.unwrap().unwrap();
+    step(s, &newer, &c).await;
+
+    let due_now = s.due_runs(now(), 100).await.unwrap();
+    assert!(due_now.contains(&now_run), "{due_now:?}");
+    for r in [&later, &idle, &stale] {
+        assert!(!due_now.contains(r), "{r} is not due now: {due_now:?}");
+    }
+    let all_due = s.due_runs(u64::MAX, 100).await.unwrap();
+    let pos = |r: &RunId| all_due.iter().position(|x| x == r);
+    assert!(pos(&now_run) < pos(&later), "earliest first: {all_due:?}");
+    assert!(pos(&later).is_some() && pos(&stale).is_some());
+    assert_eq!(pos(&idle), None, "released with no due time");
+
+    // set_due puts a run in and takes it out; limit holds.
+    s.set_due(&fresh, Some(t0 - 1)).await.unwrap();
+    assert!(s.due_runs(now(), 100).await.unwrap().contains(&fresh));
+    assert_eq!(s.due_runs(u64::MAX, 1).await.unwrap().len(), 1);
+    s.set_due(&fresh, None).await.unwrap();
+    assert!(!s.due_runs(u64::MAX, 100).await.unwrap().contains(&fresh));
+
+    // A terminal commit leaves the index.
+    s.set_due(&done, Some(t0)).await.unwrap();
+    let mut end = ckpt(&done, "t1", 2);
+    end.terminal = true;
+    end.status = "succeeded".into();
+    s.commit(&leases[4], &end, 1, &[ev(2)]).await.unwrap();
+    assert!(!s.due_runs(u64::MAX, 100).await.unwrap().contains(&done));
+    // And a due time set for a terminal run later (a stale writer) is never returned.
+    s.set_due(&done, Some(t0)).await.unwrap();
+    assert!(!s.due_runs(u64::MAX, 100).await.unwrap().contains(&done));
+}
+
+async fn dangling_due_entries_are_skipped(s: &dyn Store) {
+    let live = created(s, "t1").await;
+    let young_ghost = RunId::generate();
+    let old_ghost = ancient_id();
+    for r in [&old_ghost, &young_ghost, &live] {
+        s.set_due(r, Some(1)).await.unwrap();
+    }
+    for _ in 0..2 {
+        assert_eq!(s.due_runs(now(), 100).await.unwrap(), vec![live.clone()]);
+    }
+    assert_eq!(s.due_runs(now(), 1).await.unwrap(), vec![live.clone()]);
+}
+
+async fn node_ids_are_held_by_one_instance(s: &dyn Store) {
+    let node = format!("node-{}", uuid::Uuid::new_v4().simple());
+    s.register_node(&node, "inst-1", TTL).await.unwrap();
+    s.register_node(&node, "inst-1", TTL).await.unwrap();
+    let err = s.register_node(&node, "inst-2", TTL).await.unwrap_err();
+    assert_eq!(err, Error::NodeIdInUse { node: node.clone() });
+    assert!(!err.is_retryable());
+    assert_eq!(
+        err.to_string(),
+        format!("node id {node} is held by another live process")
+    );
+    assert_eq!(
+        s.heartbeat_node(&node, "inst-2", TTL).await.unwrap_err(),
+        Error::NodeIdInUse { node: node.clone() }
+    );
+    s.heartbeat_node(&node, "inst-1", TTL).await.unwrap();
+    // Only the holder can give it up.
+    s.unregister_node(&node, "inst-2").await.unwrap();
+    assert!(s.register_node(&node, "inst-2", TTL).await.is_err());
+    s.unregister_node(&node, "inst-1").await.unwrap();
+    s.register_node(&node, "inst-2", TTL).await.unwrap();
+
+    // A hold that lapses (its process died) is free for the next process.
+    let other = format!("node-{}", uuid::Uuid::new_v4().simple());
+    s.register_node(&other, "inst-1", Duration::from_millis(150))
+        .await
+        .unwrap();
+    assert!(s.register_node(&other, "inst-2", TTL).await.is_err());
+    eventually(
+        "the lapsed node id to be free",
+        Duration::from_secs(5),
+        || async { s.register_node(&other, "inst-2", TTL).await.ok() },
+    )
+    .await;
+    assert!(s.heartbeat_node(&other, "inst-1", TTL).await.is_err());
+}
+
+async fn wakeups_block_time_out_and_deliver(s: &dyn Store) {
+    let node = format!("node-{}", uuid::Uuid::new_v4().simple());
+    let [r1, r2, r3] = <[RunId; 3]>::try_from(ids(3)).unwrap();
+    // Sent before the reader's first look: "" means only wake-ups from now on.
+    s.notify_node(&node, &r1).await.unwrap();
+    let start = Instant::now();
+    let (none, cursor) = s
+        .wakeups(&node, "", Duration::from_millis(300))
+        .await
+        .unwrap();
+    let took = start.elapsed();
+    assert!(none.is_empty(), "{none:?}");
+    assert!(
+        took >= Duration::from_millis(250),
+        "returned early: {took:?}"
+    );
+    assert!(took < Duration::from_secs(5), "no timeout: {took:?}");
+
+    // Wake-ups after the cursor arrive in order, for this node only.
+    s.notify_node("someone-else", &r3).await.unwrap();
+    s.notify_node(&node, &r1).await.unwrap();
+    s.notify_node(&node, &r2).await.unwrap();
+    let (got, cursor) = s
+        .wakeups(&node, &cursor, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(got, vec![r1.clone(), r2.clone()]);
+    let (none, cursor) = s.wakeups(&node, &cursor, Duration::ZERO).await.unwrap();
+    assert!(none.is_empty(), "{none:?}");
+
+    // A blocked reader is woken, and other store traffic is not held up meanwhile.
+    let run = created(s, "t1").await;
+    let reader = async {
+        let start = Instant::now();
+        let r = s.wakeups(&node, &cursor, Duration::from_secs(10)).await;
+        (r, start.elapsed())
+    };
+    let others = async {
+        let start = Instant::now();
+        for _ in 0..20 {
+            s.load(&run).await.unwrap().unwrap();
+        }
+        s.ping().await.unwrap();
+        let took = start.elapsed();
+        s.notify_node(&node, &r3).await.unwrap();
+        took
+    };
+    let ((woken, waited), others_took) = tokio::join!(reader, others);
+    let (woken, _) = woken.unwrap();
+    assert_eq!(woken, vec![r3]);
+    assert!(waited < Duration::from_secs(5), "not woken: {waited:?}");
+    assert!(
+        others_took < Duration::from_secs(2),
+        "store traffic waited for the blocked read: {others_took:?}"
+    );
+}
+
+async fn client_key_retry_creates_the_missing_checkpoint(s: &dyn Store) {
+    let run = RunId::generate();
+    let first = ckpt(&run, "t1", 1);
+    assert_eq!(
+        s.create(&first, &[ev(1)], Some("k-retry")).await.unwrap(),
+        CreateOutcome::Created
+    );
+    // The same run with the same key is a retry, not `Existing(itself)`.
+    assert_eq!(
+        s.create(&first, &[ev(1)], Some("k-retry")).await.unwrap(),
+        CreateOutcome::Created
+    );
+    assert_eq!(s.read(&run, 0, 10).await.unwrap(), vec![ev(1)]);
+}
+
 macro_rules! contract {
     ($($check:ident),* $(,)?) => {
         mod memory {
@@ -561,6 +860,13 @@ contract!(
     controls_inbox_keeps_order,
     epoch_marker_is_stable,
     racing_writers_one_wins_each_version,
+    renew_returns_lost_leases,
+    dead_owner_runs_fall_due_and_move_on,
+    due_index_follows_release_and_set_due,
+    dangling_due_entries_are_skipped,
+    node_ids_are_held_by_one_instance,
+    wakeups_block_time_out_and_deliver,
+    client_key_retry_creates_the_missing_checkpoint,
 );
 
 /// The URL factory opens each kind.
