@@ -88,6 +88,26 @@ pub struct Agent {
     pub spec: AgentSpec,
     pub tools: AgentTools,
     pub definitions: Arc<[ToolDefinition]>,
+    /// Digest of what a run depends on (model, instructions, tool schemas, budgets): a run
+    /// records it at creation, and a node whose definition differs does not take the run over.
+    pub digest: String,
+}
+
+/// SHA-256 over the parts of an agent's definition that a run's behaviour depends on.
+fn definition_digest(spec: &AgentSpec, definitions: &[ToolDefinition]) -> String {
+    use sha2::{Digest, Sha256};
+    let tools: Vec<_> = definitions
+        .iter()
+        .map(|d| serde_json::json!([d.name, d.description, d.parameters]))
+        .collect();
+    let doc = serde_json::json!({
+        "model": spec.model,
+        "instructions": spec.instructions,
+        "tools": tools,
+        "budget": spec.budget,
+        "deadline_ms": spec.deadline.map(|d| d.as_millis() as u64),
+    });
+    hex::encode(Sha256::digest(doc.to_string().as_bytes()))
 }
 
 impl Agent {
@@ -109,11 +129,13 @@ impl Agent {
             });
         }
         let tools = AgentTools::new(registry.clone(), spec.tools.clone().into());
-        let definitions = tools.definitions().into();
+        let definitions: Arc<[ToolDefinition]> = tools.definitions().into();
+        let digest = definition_digest(&spec, &definitions);
         Ok(Agent {
             spec,
             tools,
             definitions,
+            digest,
         })
     }
 

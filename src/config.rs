@@ -422,8 +422,12 @@ impl AgentConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RuntimeSection {
-    /// Lease owner name; keep it stable across restarts of one daemon.
-    pub node_id: String,
+    /// This node's identity (lease owner name). Unset: unique per process. A configured one
+    /// that another live process holds is refused at start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    /// Runs this node keeps live at once; new runs beyond that wait for any node with room.
+    pub max_live_runs: usize,
     pub model_workers: usize,
     pub model_queue: usize,
     /// Model calls of one tenant in the workers at once (0 = no cap; tenants are always
@@ -466,7 +470,8 @@ impl Default for RuntimeSection {
         let r = RuntimeConfig::default();
         let p = Policy::default();
         RuntimeSection {
-            node_id: r.node_id,
+            node_id: None,
+            max_live_runs: r.max_live_runs,
             model_workers: r.gateway.size.workers,
             model_queue: r.gateway.size.queue,
             model_max_in_flight_per_tenant: r.gateway.tenant_max_in_flight,
@@ -1018,7 +1023,12 @@ impl Config {
                 return Err(invalid(k, "must be at least 1"));
             }
         }
-        if !valid_name(&r.node_id) {
+        if r.max_live_runs == 0 {
+            return Err(invalid("runtime.max_live_runs", "must be at least 1"));
+        }
+        if let Some(node) = &r.node_id
+            && !valid_name(node)
+        {
             return Err(invalid(
                 "runtime.node_id",
                 "must match ^[a-zA-Z0-9_-]{1,64}$",
@@ -1094,7 +1104,11 @@ impl Config {
             .filter_map(|(n, t)| t.requests_per_second.map(|r| (n.clone(), r)))
             .collect();
         RuntimeConfig {
-            node_id: r.node_id.clone(),
+            node_id: r
+                .node_id
+                .clone()
+                .unwrap_or_else(crate::runtime::ownership::generated_node_id),
+            max_live_runs: r.max_live_runs,
             gateway: GatewayConfig {
                 size: PoolSize {
                     workers: r.model_workers,

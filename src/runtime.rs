@@ -5,6 +5,7 @@
 
 pub mod actor;
 pub mod follow;
+pub mod ownership;
 pub mod supervisor;
 
 use std::collections::HashMap;
@@ -40,8 +41,11 @@ use crate::tool::registry::Registry;
 /// Tunables of the runtime (the `[runtime]` part of the config).
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
-    /// Lease owner name; stable across restarts of the same daemon.
+    /// This node's identity, the owner name of its leases. Unique per process by default; a
+    /// configured one is refused at start while another live process holds it.
     pub node_id: String,
+    /// Runs this node keeps live at once; beyond that, new runs wait for any node with room.
+    pub max_live_runs: usize,
     pub gateway: GatewayConfig,
     pub tool_pool: PoolSize,
     pub per_tool_rps: HashMap<String, NonZeroU32>,
@@ -63,7 +67,8 @@ pub struct RuntimeConfig {
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
-            node_id: "agentd".into(),
+            node_id: ownership::generated_node_id(),
+            max_live_runs: 10_000,
             gateway: GatewayConfig::default(),
             tool_pool: PoolSize {
                 workers: 256,
@@ -222,6 +227,8 @@ struct Inner {
     store_epoch: String,
     /// Set once a reset is seen; readiness fails from then on.
     store_reset: std::sync::Mutex<Option<String>>,
+    /// Stops this node's lease, takeover and wake-up loops.
+    ownership: ownership::Ownership,
 }
 
 /// A cheap-to-clone handle to a running runtime.
@@ -253,6 +260,10 @@ pub enum StartError {
     Spawn(#[from] ractor::SpawnErr),
     #[error("could not read runs to recover: {0}")]
     Store(#[from] store::Error),
+    #[error(
+        "node id {0:?} is held by another live process (runtime.node_id must be unique per process)"
+    )]
+    NodeIdInUse(String),
 }
 
 fn is_terminal_kind(kind: &str) -> bool {
@@ -293,7 +304,32 @@ impl Runtime {
             passivate_after: config.passivate_after,
             active: DashMap::new(),
             redactor: parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none())),
+            leases: ownership::LeaseBook::default(),
+            mismatched: DashMap::new(),
         });
+        let instance = ownership::instance_id();
+        let store = &deps.store;
+        let (node, ttl) = (&config.node_id, config.lease_ttl);
+        match store.register_node(node, &instance, ttl).await {
+            Ok(()) => {}
+            Err(store::Error::NodeIdInUse { holder, .. }) if ownership::holder_is_dead(&holder) => {
+                // Its previous process on this host was killed before it could unregister.
+                tracing::info!(%node, %holder, "taking over the node id of a process that no longer runs");
+                store.unregister_node(node, &holder).await?;
+                store
+                    .register_node(node, &instance, ttl)
+                    .await
+                    .map_err(|e| match e {
+                        store::Error::NodeIdInUse { .. } => StartError::NodeIdInUse(node.clone()),
+                        e => e.into(),
+                    })?;
+            }
+            Err(store::Error::NodeIdInUse { .. }) => {
+                return Err(StartError::NodeIdInUse(node.clone()));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        tracing::info!(node = %config.node_id, "node registered");
         let (supervisor, sup_join) = Actor::spawn(
             None,
             RunSupervisor,
@@ -304,12 +340,19 @@ impl Runtime {
         )
         .await?;
         let store_epoch = deps.store.epoch().await?;
+        let ownership = ownership::start(
+            deps.clone(),
+            supervisor.clone(),
+            instance,
+            config.max_live_runs,
+        );
         let inner = Arc::new(Inner {
             deps,
             supervisor,
             config,
             store_epoch,
             store_reset: std::sync::Mutex::new(None),
+            ownership,
         });
         let handle = RuntimeHandle { inner };
         handle.recover().await?;
@@ -325,12 +368,33 @@ impl Runtime {
 
     /// Stops every run actor (runs stay as checkpointed and continue on the next start), then
     /// the pools. Bounded by `grace`.
+    /// Leases are released, due at once, so other nodes continue these runs without waiting
+    /// for them to lapse.
     pub async fn shutdown(self, grace: Duration) {
         let inner = &self.handle.inner;
+        inner.ownership.stop.cancel();
+        let held = inner.deps.leases.snapshot();
         let _ = inner
             .supervisor
             .stop_and_wait(Some("shutdown".into()), Some(grace))
             .await;
+        let store = &inner.deps.store;
+        if !held.is_empty() {
+            match tokio::time::timeout(grace, store.release_many(&held, Some(now_ms()))).await {
+                Ok(Ok(())) => tracing::info!(runs = held.len(), "released this node's runs"),
+                Ok(Err(e)) => {
+                    tracing::warn!(runs = held.len(), error = %e, "could not release leases; they lapse after lease_ttl")
+                }
+                Err(_) => tracing::warn!(
+                    runs = held.len(),
+                    "releasing leases timed out; they lapse after lease_ttl"
+                ),
+            }
+        }
+        let node = &inner.deps.node_id;
+        if let Err(e) = store.unregister_node(node, &inner.ownership.instance).await {
+            tracing::debug!(%node, error = %e, "could not unregister the node; its registration lapses");
+        }
         inner.deps.gateway.stop();
         inner.deps.tools.stop();
         for j in self.joins {
@@ -375,6 +439,15 @@ impl RuntimeHandle {
     /// Starts a run. Returns the run and whether it was created now (`false`: the client key
     /// was seen before, and this is that run).
     pub async fn create_run(&self, req: NewRun) -> Result<(RunState, bool), Error> {
+        self.create_run_as(req, None).await
+    }
+
+    /// `create_run`, under `id` when given (one a client key already maps to).
+    async fn create_run_as(
+        &self,
+        req: NewRun,
+        id: Option<RunId>,
+    ) -> Result<(RunState, bool), Error> {
         let inner = &self.inner;
         let Some(agent) = inner.deps.agents.get(&req.agent) else {
             return Err(Error::UnknownAgent(req.agent));
@@ -402,14 +475,15 @@ impl RuntimeHandle {
             deadline_ms: deadline.map(|d| now + d.as_millis() as u64),
         };
         let mut run = RunState::new(
-            RunId::generate(),
+            id.unwrap_or_else(RunId::generate),
             req.tenant.clone(),
             req.agent.clone(),
             req.input.clone(),
             budget,
             now,
         );
-        run.metadata = req.metadata;
+        run.metadata = req.metadata.clone();
+        run.agent_digest = Some(agent.digest.clone());
         run.messages.push(Message::User {
             content: input_text,
         });
@@ -445,24 +519,49 @@ impl RuntimeHandle {
         match outcome {
             Ok(CreateOutcome::Created) => {
                 inner.deps.metrics.entered(Status::Created);
-                inner
-                    .supervisor
-                    .cast(SupervisorMsg::Start {
-                        id: run.id.clone(),
-                        boot: Boot::Start,
-                    })
-                    .map_err(|_| Error::ShuttingDown)?;
+                self.start_new(&run.id).await?;
                 Ok((run, true))
             }
             Ok(CreateOutcome::Existing(id)) => {
                 self.count_active(&req.tenant, -1);
-                Ok((self.get_run(&req.tenant, &id).await?, false))
+                let existing = match self.get_run(&req.tenant, &id).await {
+                    Err(Error::NotFound) if id != run.id => {
+                        // The key was taken by a create that stopped before storing its run
+                        // (a crash between the two writes): store this one under that id.
+                        return Box::pin(self.create_run_as(req, Some(id))).await;
+                    }
+                    other => other?,
+                };
+                if existing.status == Status::Created {
+                    // Stored but never started (its first node died in between): start it. If
+                    // it is starting elsewhere, the lease decides and this is a no-op.
+                    self.start_new(&existing.id).await?;
+                }
+                Ok((existing, false))
             }
             Err(e) => {
                 self.count_active(&req.tenant, -1);
                 Err(e.into())
             }
         }
+    }
+
+    /// Starts a new run here, or — when this node has no room — leaves it due for any node.
+    async fn start_new(&self, id: &RunId) -> Result<(), Error> {
+        let inner = &self.inner;
+        let live = inner.deps.metrics.live_runs.load(Ordering::Relaxed) as usize;
+        if live >= inner.config.max_live_runs {
+            tracing::debug!(run = %id, live, "no room on this node; the run waits for any node with room");
+            inner.deps.store.set_due(id, Some(now_ms())).await?;
+            return Ok(());
+        }
+        inner
+            .supervisor
+            .cast(SupervisorMsg::Start {
+                id: id.clone(),
+                boot: Boot::Start,
+            })
+            .map_err(|_| Error::ShuttingDown)
     }
 
     /// The run as last committed, if it belongs to `tenant`.
@@ -575,6 +674,7 @@ impl RuntimeHandle {
     async fn control(&self, tenant: &str, id: &RunId, control: Control) -> Result<RunState, Error> {
         let inner = &self.inner;
         let seq = inner.deps.store.push_control(id, &control).await?;
+        let deadline = tokio::time::Instant::now() + inner.config.control_timeout;
         let sent = inner
             .supervisor
             .call(
@@ -589,12 +689,35 @@ impl RuntimeHandle {
         match sent {
             Ok(CallResult::Success(Ok(run))) => Ok(run),
             Ok(CallResult::Success(Err(e))) => Err(e.into()),
-            // Stored durably: answer with what the store says happened to it so far.
+            // Stored durably, and the run is not live here (another node owns it and was
+            // woken) or did not answer in time: answer with what the store says happened.
             Ok(CallResult::Timeout) | Ok(CallResult::SenderError) => {
-                let run = self.get_run(tenant, id).await?;
-                control_outcome(run, seq)
+                self.stored_outcome(tenant, id, seq, deadline).await
             }
             Err(_) => Err(Error::ShuttingDown),
+        }
+    }
+
+    /// Reads the run until the control at `seq` is consumed (or the run ended), or `deadline`:
+    /// then it is stored, and will be applied in inbox order by whichever node owns the run.
+    async fn stored_outcome(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        seq: u64,
+        deadline: tokio::time::Instant,
+    ) -> Result<RunState, Error> {
+        let mut wait = Duration::from_millis(5);
+        loop {
+            let run = self.get_run(tenant, id).await?;
+            if run.controls_applied >= seq
+                || run.is_terminal()
+                || tokio::time::Instant::now() + wait > deadline
+            {
+                return control_outcome(run, seq);
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_millis(100));
         }
     }
 

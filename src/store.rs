@@ -181,7 +181,12 @@ pub enum Error {
     #[error("store data is corrupt: {0}")]
     Corrupt(String),
     #[error("node id {node} is held by another live process")]
-    NodeIdInUse { node: String },
+    NodeIdInUse {
+        node: String,
+        /// The holder's instance string (as it registered), so a starting process can tell a
+        /// dead holder on its own host from a live one.
+        holder: String,
+    },
 }
 
 impl Error {

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio_util::sync::CancellationToken;
 
+use super::ownership::LeaseBook;
 use crate::agent::Agent;
 use crate::clock::now_ms;
 use crate::hub::Hub;
@@ -57,6 +58,8 @@ pub enum RunMsg {
     Reload,
     /// The store did not answer while the actor was starting: try again.
     RetryBoot,
+    /// Tool calls were held back while the lease was not confirmed: send them if it is now.
+    RetryDeferred,
     /// The run has been waiting (approval or input) since `version`: if nothing changed, stop
     /// the actor; the run stays in the store and is rehydrated by its next message.
     Passivate { version: u64 },
@@ -77,6 +80,9 @@ pub enum Boot {
     /// Bring a passivated run back for a message or a timer: a waiting run continues as it
     /// was (no `Resume`: nothing was in flight); any other run resumes.
     Rehydrate,
+    /// Take over a run that needs an owner (its owner died or released it, or it was queued for
+    /// any node): like `Rehydrate`, counted as a takeover.
+    TakeOver,
 }
 
 /// Why a run actor stopped itself. ractor carries stop reasons as strings, so this is encoded
@@ -162,6 +168,10 @@ pub struct RunDeps {
     pub active: dashmap::DashMap<String, std::sync::atomic::AtomicI64>,
     /// Applied to event data before commit and to tool results before they enter the run.
     pub redactor: Arc<Redactor>,
+    /// The leases this node holds (renewed by `runtime::ownership`).
+    pub leases: LeaseBook,
+    /// Runs this node left alone because its definition of their agent differs.
+    pub mismatched: dashmap::DashMap<RunId, ()>,
 }
 
 /// Start arguments.
@@ -169,12 +179,15 @@ pub struct RunArgs {
     pub id: RunId,
     pub boot: Boot,
     pub deps: Arc<RunDeps>,
+    /// The actor was started for a stored control: if another node owns the run, wake it.
+    pub wake_owner: bool,
 }
 
 /// The actor's state: empty until `post_start` has loaded the checkpoint.
 pub struct RunActorState {
     id: RunId,
     boot: Boot,
+    wake_owner: bool,
     deps: Arc<RunDeps>,
     live: Option<Live>,
     /// Messages that arrived before the run was loaded (the store did not answer yet).
@@ -207,6 +220,8 @@ struct Live {
     waiters: Vec<(u64, RpcReplyPort<ControlReply>)>,
     /// Refusals of this incarnation that are not in the state (a finished run commits none).
     refused_here: HashMap<u64, InvalidTransition>,
+    /// Tool effects held back because the lease was not confirmed recently enough.
+    deferred: Vec<Effect>,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -337,6 +352,7 @@ impl Actor for RunActor {
         Ok(RunActorState {
             id: args.id,
             boot: args.boot,
+            wake_owner: args.wake_owner,
             deps: args.deps,
             live: None,
             early: Vec::new(),
@@ -388,6 +404,7 @@ impl Actor for RunActor {
             st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
         }
         if let Some(live) = st.live.take() {
+            st.deps.leases.remove(&live.run.id);
             if live.reloading {
                 st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
             }
@@ -490,28 +507,46 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
         StopReason::AlreadyTerminal.stop(myself);
         return Ok(());
     }
+    // A node whose definition of the run's agent differs (or that lacks it) leaves the run
+    // to a node that matches, instead of continuing it with other instructions or tools.
+    let agent = deps.agents.get(&run.agent).cloned();
+    let matches = match (&agent, &run.agent_digest) {
+        (None, _) => false,
+        (Some(a), Some(d)) => a.digest == *d,
+        (Some(_), None) => true,
+    };
+    if !matches {
+        if deps.mismatched.insert(id.clone(), ()).is_none() {
+            deps.metrics
+                .agent_mismatches
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(run = %id, agent = %run.agent, "this node's definition of the run's agent differs from the one it started with; leaving the run to a node that matches");
+        }
+        StopReason::AgentMismatch.stop(myself);
+        return Ok(());
+    }
+    let Some(agent) = agent else {
+        return Err(BootError::Fatal(Error::Bug("agent checked above".into())));
+    };
     let lease = match deps.store.claim(&id, &deps.node_id, deps.lease_ttl).await {
         Ok(l) => l,
         Err(store::Error::LeaseHeld { owner, .. }) => {
-            tracing::info!(run = %id, %owner, "run is owned by another node");
+            tracing::debug!(run = %id, %owner, "run is owned by another node");
+            if st.wake_owner
+                && let Err(e) = deps.store.notify_node(&owner, &id).await
+            {
+                tracing::warn!(run = %id, %owner, error = %e, "could not wake the run's owner; it reads the control at its next step");
+            }
             StopReason::LeasedElsewhere.stop(myself);
             return Ok(());
         }
         Err(e) => return Err(down(e)),
     };
-    let Some(agent) = deps.agents.get(&run.agent).cloned() else {
-        // The agent was removed from config: the run cannot continue.
-        let mut live = Live::new(run, lease, Arc::new(placeholder_agent()));
-        let event = RunEvent::Abort {
-            code: "unknown_agent".into(),
-            message: "the run's agent is no longer configured".into(),
-        };
-        deliver(myself, &deps, &mut live, RunMsg::Event(event))
-            .await
-            .map_err(|e| Error::Bug(e.to_string()))?;
-        st.live = Some(live);
-        return Ok(());
-    };
+    deps.leases.insert(lease.clone(), now_ms());
+    if st.boot == Boot::TakeOver {
+        deps.metrics.takeovers.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(run = %id, node = %deps.node_id, "took the run over");
+    }
     let mut live = Live::new(run, lease, agent);
     if let Some(deadline) = live.run.budget.deadline_ms {
         let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
@@ -528,8 +563,8 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
     let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
         Boot::Start => Some(RunEvent::Start),
         Boot::Recover => Some(RunEvent::Resume),
-        Boot::Rehydrate if waiting => None,
-        Boot::Rehydrate => Some(RunEvent::Resume),
+        Boot::Rehydrate | Boot::TakeOver if waiting => None,
+        Boot::Rehydrate | Boot::TakeOver => Some(RunEvent::Resume),
         Boot::Abort { code, message } => Some(RunEvent::Abort { code, message }),
     };
     let bug = |e: ActorProcessingErr| BootError::Fatal(Error::Bug(e.to_string()));
@@ -557,18 +592,6 @@ fn capped_backoff(failures: u32) -> Duration {
     Duration::from_millis(ms / 2 + rand::random::<u64>() % (ms / 2 + 1))
 }
 
-/// An agent with no tools, standing in for one removed from config, so such a run can be
-/// failed through the normal path.
-fn placeholder_agent() -> Agent {
-    let registry = Arc::new(crate::tool::registry::Registry::new());
-    let spec = crate::agent::AgentSpec::new("unknown", "none");
-    Agent {
-        tools: crate::tool::registry::AgentTools::new(registry, Arc::from(Vec::<String>::new())),
-        definitions: Vec::new().into(),
-        spec,
-    }
-}
-
 impl Live {
     fn new(run: RunState, lease: Lease, agent: Arc<Agent>) -> Self {
         Live {
@@ -587,6 +610,7 @@ impl Live {
             approval_timers: HashSet::new(),
             waiters: Vec::new(),
             refused_here: HashMap::new(),
+            deferred: Vec::new(),
         }
     }
 }
@@ -607,7 +631,8 @@ async fn deliver(
         RunMsg::Get(reply) => {
             let _ = reply.send(live.run.clone());
         }
-        RunMsg::Passivate { version } => passivate(myself, live, version),
+        RunMsg::Passivate { version } => passivate(myself, deps, live, version),
+        RunMsg::RetryDeferred => run_deferred(myself, deps, live),
         RunMsg::Reload => reload(myself, deps, live).await?,
         RunMsg::Event(event) => {
             let copy = event.clone();
@@ -778,7 +803,7 @@ fn is_idle_waiting(live: &Live) -> bool {
 /// Stops the actor of a run that is still waiting, unchanged since `version`. Its checkpoint
 /// holds everything; the supervisor wakes it for its next control message, or when its
 /// deadline or an approval expiry falls due.
-fn passivate(myself: &ActorRef<RunMsg>, live: &Live, version: u64) {
+fn passivate(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &Live, version: u64) {
     if live.run.version != version || !is_idle_waiting(live) {
         return;
     }
@@ -800,6 +825,19 @@ fn passivate(myself: &ActorRef<RunMsg>, live: &Live, version: u64) {
         (a, b) => a.or(b),
     };
     tracing::debug!(run = %live.run.id, ?wake_at, "passivating a waiting run");
+    // Give the lease up, due when a timer needs the run: whichever node has room then (this
+    // one, or another if this one is gone) brings it back; a control brings it back sooner.
+    deps.leases.remove(&live.run.id);
+    let store = deps.store.clone();
+    let lease = live.lease.clone();
+    tokio::spawn(async move {
+        if let Err(e) = store
+            .release_many(std::slice::from_ref(&lease), wake_at)
+            .await
+        {
+            tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
+        }
+    });
     StopReason::Passivated {
         wake_at_ms: wake_at,
     }
@@ -850,6 +888,7 @@ async fn reload(
     deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
     live.store_failures = 0;
     live.tools_in_flight = 0;
+    live.deferred.clear();
     if !live.run.is_terminal() {
         Box::pin(deliver(myself, deps, live, RunMsg::Event(RunEvent::Resume))).await?;
     }
@@ -997,7 +1036,38 @@ fn arm_approval_timers(myself: &ActorRef<RunMsg>, live: &mut Live, now: u64) {
     }
 }
 
+/// Sends the tool calls held back for the lease, once it is confirmed again.
+fn run_deferred(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live) {
+    if live.deferred.is_empty() {
+        return;
+    }
+    if !deps.leases.fresh(&live.run.id, deps.lease_ttl, now_ms()) {
+        myself.send_after(DEFERRED_RECHECK, || RunMsg::RetryDeferred);
+        return;
+    }
+    for effect in std::mem::take(&mut live.deferred) {
+        execute(myself, deps, live, effect);
+    }
+}
+
+/// How often a run with held-back tool calls looks at its lease again.
+const DEFERRED_RECHECK: Duration = Duration::from_millis(100);
+
 fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effect: Effect) {
+    if matches!(
+        effect,
+        Effect::ExecuteTool { .. } | Effect::CheckStatus { .. }
+    ) && !deps.leases.fresh(&live.run.id, deps.lease_ttl, now_ms())
+    {
+        // The lease could lapse before the call is answered and another node could take the
+        // run: send nothing until the renewal confirms it (the intent is committed either way).
+        if live.deferred.is_empty() {
+            tracing::warn!(run = %live.run.id, "lease not confirmed recently; holding tool calls until it is");
+            myself.send_after(DEFERRED_RECHECK, || RunMsg::RetryDeferred);
+        }
+        live.deferred.push(effect);
+        return;
+    }
     let run = &live.run;
     match effect {
         Effect::CallModel { epoch, tool_choice } => {
@@ -1111,6 +1181,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             });
         }
         Effect::AbortInFlight => {
+            live.deferred.clear();
             live.cancel.cancel();
             live.cancel = CancellationToken::new();
         }

@@ -76,6 +76,10 @@ pub enum SupervisorMsg {
     },
     /// Controls were stored for the run (through another node): wake its actor.
     Wake(RunId),
+    /// The run needs an owner and this node has room: take it over.
+    TakeOver(RunId),
+    /// Another node holds the run's lease now: stop its actor here.
+    LeaseLost(RunId),
     /// A backoff timer fired: start the run again from its checkpoint.
     Respawn(RunId),
     /// Number of runs with a live or restarting actor.
@@ -116,10 +120,23 @@ impl SupervisorState {
     }
 
     async fn spawn(&mut self, myself: &ActorRef<SupervisorMsg>, id: RunId, boot: Boot) {
+        self.spawn_for(myself, id, boot, false).await;
+    }
+
+    /// `spawn`; `wake_owner`: the actor is started for a stored control, so if another node
+    /// owns the run it wakes that node instead.
+    async fn spawn_for(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        id: RunId,
+        boot: Boot,
+        wake_owner: bool,
+    ) {
         let args = RunArgs {
             id: id.clone(),
             boot,
             deps: self.deps.clone(),
+            wake_owner,
         };
         match Actor::spawn_linked(None, RunActor, args, myself.get_cell()).await {
             Ok((actor, _join)) => {
@@ -161,7 +178,7 @@ impl SupervisorState {
             Some(entry) => entry.pending.push(msg),
             None => {
                 self.runs.entry(id.clone()).or_default().pending.push(msg);
-                self.spawn(myself, id, Boot::Rehydrate).await;
+                self.spawn_for(myself, id, Boot::Rehydrate, true).await;
             }
         }
     }
@@ -257,6 +274,16 @@ impl Actor for RunSupervisor {
                 st.deliver(&myself, id, RunMsg::Controls { reply: None })
                     .await;
             }
+            SupervisorMsg::TakeOver(id) => {
+                if !st.runs.contains_key(&id) {
+                    st.spawn(&myself, id, Boot::TakeOver).await;
+                }
+            }
+            SupervisorMsg::LeaseLost(id) => {
+                if let Some(actor) = st.runs.get(&id).and_then(|e| e.actor.as_ref()) {
+                    actor.stop(Some(StopReason::LeaseLost.encode()));
+                }
+            }
             SupervisorMsg::Count(reply) => {
                 let _ = reply.send(st.runs.len());
             }
@@ -289,7 +316,7 @@ impl Actor for RunSupervisor {
                         if !pending.is_empty() && passivated.is_some() {
                             // Mail arrived while it was stopping: bring it straight back.
                             st.runs.entry(id.clone()).or_default().pending = pending;
-                            st.spawn(&myself, id, Boot::Rehydrate).await;
+                            st.spawn_for(&myself, id, Boot::Rehydrate, true).await;
                         } else if let Some(Some(wake_at)) = passivated {
                             // Its deadline or an approval expiry will need it.
                             let wait = Duration::from_millis(

@@ -33,6 +33,7 @@ impl NodeRegistry {
         match held.get(node) {
             Some((other, until)) if other != instance && *until > now => Err(Error::NodeIdInUse {
                 node: node.to_owned(),
+                holder: other.clone(),
             }),
             _ => {
                 held.insert(node.to_owned(), (instance.to_owned(), now + ttl));

@@ -855,7 +855,7 @@ impl RedisStore {
         inv.key(self.core.keys.node_owner(node_id))
             .arg(instance)
             .arg(ttl.as_millis().max(1) as u64);
-        let (code, _) = self
+        let (code, holder) = self
             .core
             .script(&format!("holding node id {node_id}"), inv)
             .await?;
@@ -863,6 +863,7 @@ impl RedisStore {
             OK => Ok(()),
             NODE_HELD => Err(Error::NodeIdInUse {
                 node: node_id.to_owned(),
+                holder,
             }),
             other => Err(Error::Corrupt(format!(
                 "node {node_id}: node script answered code {other}"

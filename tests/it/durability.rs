@@ -92,7 +92,8 @@ async fn a_stale_owner_can_neither_commit_nor_call_a_tool() {
     );
     b.config.node_id = "node-a".into();
     b.config.lease_ttl = Duration::from_millis(300);
-    b.store = store_a.clone();
+    // A is cut off from the store for lease renewals, so its lease lapses while it waits.
+    b.store = crate::partition::PartitionedRenewals::new(store_a.clone());
     let a = b.start().await;
     let id = a.start_run("a", "charge it").await;
     eventually("A's model call", WAIT, || {
@@ -101,7 +102,7 @@ async fn a_stale_owner_can_neither_commit_nor_call_a_tool() {
     })
     .await;
 
-    // A's lease expires (it is not renewed while A waits).
+    // A's lease expires (its renewals do not reach the store).
     let lease_key = agentd::store::keys::Keys::new(&ns).unwrap().lease(&id);
     let client = redis::Client::open(shared_redis_url()).unwrap();
     let con = client.get_multiplexed_async_connection().await.unwrap();

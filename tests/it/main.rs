@@ -29,10 +29,15 @@ mod http_tool;
 mod isolation;
 /// MCP tools against the npm reference server.
 mod mcp;
+/// Several daemons on one Redis: node identity, controls through any node, takeover after
+/// SIGKILL and SIGTERM.
+mod nodes;
 /// The OpenAI-compatible provider against the fake server.
 mod openai;
 /// Run ownership on real daemon processes: controls in inbox order, store outages as pauses.
 mod ownership;
+/// A store wrapper whose lease renewals fail, as behind a partition.
+mod partition;
 /// Store-test helpers: builders, Redis namespaces, a private redis-server.
 mod redis_support;
 /// The core runtime through `RuntimeHandle`.

@@ -534,8 +534,9 @@ async fn renew_returns_lost_leases(s: &dyn Store) {
     let short = Duration::from_millis(150);
     let l_kept = s.claim(&kept, "node-a", TTL).await.unwrap();
     let l_released = s.claim(&released, "node-a", TTL).await.unwrap();
-    let l_taken = s.claim(&taken, "node-a", short).await.unwrap();
+    // `lapsed` first: it must have lapsed by the time `taken` has.
     let l_lapsed = s.claim(&lapsed, "node-a", short).await.unwrap();
+    let l_taken = s.claim(&taken, "node-a", short).await.unwrap();
     assert_eq!(s.renew_leases("node-a", &[], TTL).await.unwrap(), vec![]);
     s.release(&l_released).await.unwrap();
     let l_b = eventually(
@@ -711,7 +712,13 @@ async fn node_ids_are_held_by_one_instance(s: &dyn Store) {
     s.register_node(&node, "inst-1", TTL).await.unwrap();
     s.register_node(&node, "inst-1", TTL).await.unwrap();
     let err = s.register_node(&node, "inst-2", TTL).await.unwrap_err();
-    assert_eq!(err, Error::NodeIdInUse { node: node.clone() });
+    assert_eq!(
+        err,
+        Error::NodeIdInUse {
+            node: node.clone(),
+            holder: "inst-1".into()
+        }
+    );
     assert!(!err.is_retryable());
     assert_eq!(
         err.to_string(),
@@ -719,7 +726,10 @@ async fn node_ids_are_held_by_one_instance(s: &dyn Store) {
     );
     assert_eq!(
         s.heartbeat_node(&node, "inst-2", TTL).await.unwrap_err(),
-        Error::NodeIdInUse { node: node.clone() }
+        Error::NodeIdInUse {
+            node: node.clone(),
+            holder: "inst-1".into()
+        }
     );
     s.heartbeat_node(&node, "inst-1", TTL).await.unwrap();
     // Only the holder can give it up.
