@@ -6,6 +6,7 @@
 //! method, route, tenant), HTTP request counters, panic catcher (500 `internal`), request
 //! timeout (408, not applied to SSE), and on `/v1` routes the bearer-token check.
 
+pub mod approvals;
 pub mod auth;
 pub mod dto;
 pub mod error;
@@ -107,6 +108,12 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/runs/{id}/input",
         auth: true,
         make: || post(runs::input),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/approvals",
+        auth: true,
+        make: || get(approvals::list),
     },
     Route {
         method: "GET",

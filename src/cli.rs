@@ -15,7 +15,7 @@ use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use reqwest::Method;
 use serde_json::{Value, json};
 
-use crate::api::dto::{AgentListDto, EventListDto, RunDto, RunListDto};
+use crate::api::dto::{AgentListDto, ApprovalListDto, EventListDto, RunDto, RunListDto};
 use crate::config::Config;
 use client::Client;
 
@@ -95,6 +95,9 @@ pub enum Command {
     /// Inspect and control runs.
     #[command(subcommand)]
     Runs(RunsCommand),
+    /// The approvals inbox: every call waiting for an operator, oldest first; approve or
+    /// reject them.
+    Approvals(ApprovalsArgs),
     /// The configured agents and their tools.
     Agents,
     /// Exit 0 when GET /healthz answers 200 (for container health checks).
@@ -230,6 +233,55 @@ pub enum RunsCommand {
     Input { id: String, text: String },
 }
 
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct ApprovalsArgs {
+    #[command(subcommand)]
+    pub command: Option<ApprovalsCommand>,
+    /// Most calls to list (the daemon caps it at limits.max_page_size).
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Continue after this cursor (printed under a full page).
+    #[arg(long)]
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ApprovalsCommand {
+    /// List the calls waiting for an operator, oldest first (the default).
+    List {
+        /// Most calls to list.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Continue after this cursor.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Approve one waiting call (optionally with edited arguments).
+    Approve {
+        /// The run (`run_…`).
+        run_id: String,
+        /// The call (`call_…`).
+        call_id: String,
+        /// Edited arguments, as JSON (`-` reads them from stdin).
+        #[arg(long)]
+        arguments: Option<String>,
+        /// Why (kept in the run's events).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Reject one waiting call; the model is told it was rejected.
+    Reject {
+        /// The run (`run_…`).
+        run_id: String,
+        /// The call (`call_…`).
+        call_id: String,
+        /// Why (the model sees it).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
     /// Validate the configuration and print the effective result (secrets redacted).
@@ -286,7 +338,9 @@ fn print_run(run: &RunDto, output: Output) -> anyhow::Result<()> {
             run.usage.turns, run.usage.tool_calls, run.usage.input_tokens, run.usage.output_tokens
         ),
     );
-    for p in &run.pending_approvals {
+    // A finished run's leftover calls cannot be decided any more: no hints for them.
+    let decidable = run.status == "waiting_approval";
+    for p in run.pending_approvals.iter().filter(|_| decidable) {
         row(
             &mut t,
             "pending",
@@ -343,6 +397,45 @@ fn print_runs(list: &RunListDto, output: Output) -> anyhow::Result<()> {
     println!("{t}");
     if let Some(c) = &list.next_cursor {
         println!("more: --cursor {c}");
+    }
+    Ok(())
+}
+
+fn print_approvals(list: &ApprovalListDto, output: Output) -> anyhow::Result<()> {
+    if output == Output::Json {
+        return print_json(list);
+    }
+    if list.approvals.is_empty() {
+        println!("no calls wait for an operator");
+        return Ok(());
+    }
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "RUN",
+        "CALL",
+        "AGENT",
+        "TOOL(ARGUMENTS)",
+        "REASON",
+        "WAITING SINCE",
+        "EXPIRES",
+    ]);
+    for a in &list.approvals {
+        t.add_row(vec![
+            a.run_id.clone(),
+            a.call_id.clone(),
+            a.agent.clone(),
+            format!("{}({})", a.tool, short(&a.arguments, 60)),
+            a.reason.clone(),
+            a.requested_at.clone(),
+            a.expires_at.clone().unwrap_or_else(|| "never".to_owned()),
+        ]);
+    }
+    println!("{t}");
+    println!("approve: agentd approvals approve RUN CALL [--arguments JSON]");
+    println!("reject:  agentd approvals reject RUN CALL --reason \"…\"");
+    if let Some(c) = &list.next_cursor {
+        println!("more: agentd approvals --cursor {c}");
     }
     Ok(())
 }
@@ -452,6 +545,36 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                 return Ok(0);
             }
             timeline::follow(&c, &run.id, 0, args.wait, output).await
+        }
+        Command::Approvals(args) => {
+            let c = client()?;
+            match args.command {
+                None => list_approvals(&c, args.limit, args.cursor, output).await,
+                Some(ApprovalsCommand::List { limit, cursor }) => {
+                    list_approvals(&c, limit.or(args.limit), cursor.or(args.cursor), output).await
+                }
+                Some(ApprovalsCommand::Approve {
+                    run_id,
+                    call_id,
+                    arguments,
+                    reason,
+                }) => {
+                    let mut body = json!({ "decision": "approve", "reason": reason });
+                    if let Some(a) = arguments {
+                        body["arguments"] =
+                            serde_json::from_str(&a).context("--arguments is not valid JSON")?;
+                    }
+                    decide(&c, &run_id, &call_id, &body, output).await
+                }
+                Some(ApprovalsCommand::Reject {
+                    run_id,
+                    call_id,
+                    reason,
+                }) => {
+                    let body = json!({ "decision": "reject", "reason": reason });
+                    decide(&c, &run_id, &call_id, &body, output).await
+                }
+            }
         }
         Command::Runs(cmd) => {
             let c = client()?;
@@ -566,6 +689,20 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
             }
         }
     }
+}
+
+async fn list_approvals(
+    c: &Client,
+    limit: Option<usize>,
+    cursor: Option<String>,
+    output: Output,
+) -> anyhow::Result<i32> {
+    let q = query(&[("limit", limit.map(|l| l.to_string())), ("cursor", cursor)]);
+    let list: ApprovalListDto = c
+        .call(Method::GET, &format!("/v1/approvals{q}"), None)
+        .await?;
+    print_approvals(&list, output)?;
+    Ok(0)
 }
 
 async fn decide(

@@ -210,6 +210,52 @@ pub struct NewRun {
     pub metadata: Value,
 }
 
+/// Most runs in `waiting_approval` one [`RuntimeHandle::awaiting_calls`] reads.
+pub const MAX_INBOX_RUNS: usize = 2000;
+
+/// Why a call waits for an operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AwaitingReason {
+    /// The tool's approval rule asks for a decision.
+    Policy,
+    /// A crash left the call's outcome unknown and the tool cannot be asked.
+    OutcomeUnknown,
+}
+
+impl AwaitingReason {
+    /// The API's name (`policy`, `outcome_unknown`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AwaitingReason::Policy => "policy",
+            AwaitingReason::OutcomeUnknown => "outcome_unknown",
+        }
+    }
+}
+
+/// One call waiting for an operator, as the approvals inbox lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AwaitingCall {
+    pub run_id: RunId,
+    pub agent: String,
+    pub call_id: CallId,
+    pub tool: String,
+    pub arguments: Value,
+    pub reason: AwaitingReason,
+    /// When the call began waiting.
+    pub requested_at_ms: u64,
+    /// When the tool's `approval_timeout` decides it (`None`: it waits for ever).
+    pub expires_at_ms: Option<u64>,
+}
+
+/// The answer of [`RuntimeHandle::awaiting_calls`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AwaitingCalls {
+    /// Oldest first.
+    pub calls: Vec<AwaitingCall>,
+    /// More than [`MAX_INBOX_RUNS`] runs were waiting; the oldest ones were not read.
+    pub truncated: bool,
+}
+
 /// An agent as listed by `GET /v1/agents`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentInfo {
@@ -598,6 +644,69 @@ impl RuntimeHandle {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Error::Store(store::Error::Corrupt(e.to_string())))?;
         Ok((runs, page.next_cursor))
+    }
+
+    /// Every call of the tenant's runs that waits for an operator (the approvals inbox), oldest
+    /// first by the time it began waiting. Reads at most [`MAX_INBOX_RUNS`] runs in
+    /// `waiting_approval` (newest first from the store, so a longer backlog shows its newest
+    /// part); `truncated` says when more were left out.
+    pub async fn awaiting_calls(&self, tenant: &str) -> Result<AwaitingCalls, Error> {
+        const PAGE: usize = 200;
+        let filter = RunFilter {
+            status: Some(Status::WaitingApproval.as_str().to_owned()),
+            agent: None,
+        };
+        let mut out = AwaitingCalls::default();
+        let mut cursor: Option<String> = None;
+        let mut scanned = 0;
+        loop {
+            let (runs, next) = self
+                .list_runs(tenant, &filter, cursor.as_deref(), PAGE)
+                .await?;
+            for run in &runs {
+                let agent = self.inner.deps.agents.get(&run.agent);
+                for c in run.pending_approvals() {
+                    let requested_at_ms = c.awaiting_since_ms.unwrap_or(run.updated_at_ms);
+                    let timeout = agent
+                        .and_then(|a| a.tools.tool(&c.tool))
+                        .and_then(|t| t.spec().approval_timeout)
+                        .filter(|_| c.status == crate::run::CallStatus::AwaitingApproval);
+                    out.calls.push(AwaitingCall {
+                        run_id: run.id.clone(),
+                        agent: run.agent.clone(),
+                        call_id: c.call_id.clone(),
+                        tool: c.tool.clone(),
+                        arguments: c.arguments.clone(),
+                        reason: match c.status {
+                            crate::run::CallStatus::OutcomeUnknown => {
+                                AwaitingReason::OutcomeUnknown
+                            }
+                            _ => AwaitingReason::Policy,
+                        },
+                        requested_at_ms,
+                        expires_at_ms: timeout
+                            .map(|t| requested_at_ms.saturating_add(t.as_millis() as u64)),
+                    });
+                }
+            }
+            scanned += runs.len();
+            match next {
+                Some(n) if scanned < MAX_INBOX_RUNS => cursor = Some(n),
+                Some(_) => {
+                    out.truncated = true;
+                    break;
+                }
+                None => break,
+            }
+        }
+        out.calls.sort_by(|a, b| {
+            (a.requested_at_ms, &a.run_id, &a.call_id).cmp(&(
+                b.requested_at_ms,
+                &b.run_id,
+                &b.call_id,
+            ))
+        });
+        Ok(out)
     }
 
     /// Stored events with seq > `after`.

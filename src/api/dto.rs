@@ -166,8 +166,10 @@ impl From<&RunState> for RunDto {
                 max_tokens: r.budget.max_tokens,
                 deadline: r.budget.deadline_ms.map(rfc3339),
             },
+            // A finished run's leftover calls can no longer be decided.
             pending_approvals: r
                 .pending_approvals()
+                .filter(|_| !r.status.is_terminal())
                 .map(|c| PendingApprovalDto {
                     call_id: c.call_id.to_string(),
                     tool: c.tool.clone(),
@@ -292,4 +294,36 @@ pub struct AgentListDto {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthDto {
     pub status: String,
+}
+
+/// `GET /v1/approvals` query.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ApprovalsQuery {
+    #[serde(default)]
+    pub limit: Option<usize>,
+    #[serde(default)]
+    pub cursor: Option<String>,
+}
+
+/// One call waiting for an operator, in the approvals inbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApprovalDto {
+    pub run_id: String,
+    pub call_id: String,
+    pub agent: String,
+    pub tool: String,
+    pub arguments: Value,
+    /// `policy` (the tool's approval rule), `outcome_unknown` (a crash left it unknown) or
+    /// `tool_failing` (a tool that keeps failing waits for a decision).
+    pub reason: String,
+    pub requested_at: String,
+    /// When the tool's `approval_timeout` decides the call; `null`: it waits for ever.
+    pub expires_at: Option<String>,
+}
+
+/// `GET /v1/approvals`: oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApprovalListDto {
+    pub approvals: Vec<ApprovalDto>,
+    pub next_cursor: Option<String>,
 }

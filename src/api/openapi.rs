@@ -105,6 +105,21 @@ pub fn document() -> Value {
                     "type": "object", "required": ["seq", "at", "type", "data"],
                     "properties": { "seq": { "type": "integer" }, "at": { "type": "string", "format": "date-time" }, "type": { "type": "string" }, "data": {} }
                 },
+                "Approval": {
+                    "type": "object",
+                    "required": ["run_id", "call_id", "agent", "tool", "arguments", "reason", "requested_at", "expires_at"],
+                    "properties": {
+                        "run_id": { "type": "string" }, "call_id": { "type": "string" },
+                        "agent": { "type": "string" }, "tool": { "type": "string" }, "arguments": {},
+                        "reason": { "enum": ["policy", "outcome_unknown", "tool_failing"] },
+                        "requested_at": { "type": "string", "format": "date-time" },
+                        "expires_at": { "type": ["string", "null"], "format": "date-time", "description": "When the tool's approval_timeout decides the call; null: never." }
+                    }
+                },
+                "ApprovalList": {
+                    "type": "object", "required": ["approvals", "next_cursor"],
+                    "properties": { "approvals": { "type": "array", "items": { "$ref": "#/components/schemas/Approval" } }, "next_cursor": { "type": ["string", "null"] } }
+                },
                 "Agent": {
                     "type": "object",
                     "properties": { "name": { "type": "string" }, "model": { "type": "string" }, "tools": { "type": "array", "items": {
@@ -189,6 +204,19 @@ pub fn document() -> Value {
                     "parameters": [id_param()],
                     "requestBody": body("Input", true),
                     "responses": control_responses()
+                }
+            },
+            "/v1/approvals": {
+                "get": {
+                    "operationId": "listApprovals", "summary": "The tenant's pending approvals across all runs, oldest first",
+                    "parameters": [
+                        { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1, "default": 50 } },
+                        { "name": "cursor", "in": "query", "schema": { "type": "string" } }
+                    ],
+                    "responses": {
+                        "200": { "description": "One page.", "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ApprovalList" } } } },
+                        "400": err("Malformed query."), "401": err("Missing or unknown token.")
+                    }
                 }
             },
             "/v1/agents": {

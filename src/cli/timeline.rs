@@ -102,7 +102,9 @@ pub fn describe(e: &EventDto) -> Option<String> {
     })
 }
 
-fn print_waiting(run: &RunDto, output: Output) {
+/// The commands an operator can run for a waiting run; `stopping`: the follow ends here, so
+/// say how to follow again.
+fn print_waiting(run: &RunDto, output: Output, stopping: bool) {
     if output == Output::Json {
         return;
     }
@@ -128,7 +130,11 @@ fn print_waiting(run: &RunDto, output: Output) {
         println!("  waiting for input: {q}");
         println!("    answer: agentd runs input {} \"…\"", run.id);
     }
-    println!("  follow again: agentd runs events {} --follow", run.id);
+    if stopping {
+        println!("  follow again: agentd runs events {} --follow", run.id);
+    } else {
+        println!("  still following (--wait); Ctrl-C stops");
+    }
 }
 
 /// Follows the run from `after`; returns the exit code.
@@ -178,14 +184,17 @@ pub async fn follow(
                 _ => {}
             }
             let status = e.data["status"].as_str().unwrap_or("");
-            if !wait && (status == "waiting_approval" || status == "waiting_input") {
+            if status == "waiting_approval" || status == "waiting_input" {
                 // Replayed history may show a wait that is over: ask for the run as it is now.
                 let run: RunDto = c
                     .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
                     .await?;
                 if run.status == status && run.version == e.seq {
-                    print_waiting(&run, output);
-                    return Ok(EXIT_WAITING);
+                    print_waiting(&run, output, !wait);
+                    let _ = std::io::stdout().flush();
+                    if !wait {
+                        return Ok(EXIT_WAITING);
+                    }
                 }
             }
         }

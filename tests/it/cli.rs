@@ -149,3 +149,142 @@ async fn config_check_validates_and_redacts() {
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert!(o.stdout.contains("[agents.demo]"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approvals_inbox_lists_every_waiting_call_oldest_first_and_decides_them() {
+    use crate::daemon_support::BETA;
+    let d = TestDaemon::start().await;
+    let first = d.create(ALPHA, "approver").await;
+    d.wait_status(ALPHA, &first, "waiting_approval").await;
+    let second = d.create(ALPHA, "approver").await;
+    d.wait_status(ALPHA, &second, "waiting_approval").await;
+    let other = d.create(BETA, "approver").await;
+    d.wait_status(BETA, &other, "waiting_approval").await;
+
+    // The API: oldest first, tenant-isolated, paged by cursor.
+    let (s, v) = d.get("/v1/approvals", ALPHA).await;
+    assert_eq!(s, 200, "{v}");
+    let ids: Vec<&str> = v["approvals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["run_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [first.as_str(), second.as_str()], "{v}");
+    let a = &v["approvals"][0];
+    assert_eq!(a["call_id"], "call_1_0");
+    assert_eq!(a["agent"], "approver");
+    assert_eq!(a["tool"], "charge");
+    assert_eq!(a["arguments"]["item"], "order-1");
+    assert_eq!(a["reason"], "policy");
+    assert!(a["requested_at"].as_str().unwrap().ends_with('Z'), "{a}");
+    assert!(a["expires_at"].is_null(), "{a}");
+    assert!(v["next_cursor"].is_null());
+    let (_, page1) = d.get("/v1/approvals?limit=1", ALPHA).await;
+    assert_eq!(page1["approvals"][0]["run_id"], first.as_str());
+    let cursor = page1["next_cursor"].as_str().unwrap();
+    let (_, page2) = d
+        .get(&format!("/v1/approvals?limit=1&cursor={cursor}"), ALPHA)
+        .await;
+    assert_eq!(page2["approvals"][0]["run_id"], second.as_str(), "{page2}");
+    assert!(page2["next_cursor"].is_null(), "{page2}");
+    let (s, _) = d.get("/v1/approvals?cursor=..%2F", ALPHA).await;
+    assert_eq!(s, 400);
+    let (_, theirs) = d.get("/v1/approvals", BETA).await;
+    assert_eq!(theirs["approvals"].as_array().unwrap().len(), 1);
+    assert_eq!(theirs["approvals"][0]["run_id"], other.as_str());
+
+    // The CLI lists the same calls and decides them.
+    let o = agentd(Some(&d), &["approvals"]).await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    println!("agentd approvals:\n{}", o.stdout);
+    let first_line = o.stdout.lines().position(|l| l.contains(&first)).unwrap();
+    let second_line = o.stdout.lines().position(|l| l.contains(&second)).unwrap();
+    assert!(first_line < second_line, "{}", o.stdout);
+    assert!(
+        o.stdout.contains("charge({\"item\":\"order-1\"})"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout
+            .contains("approve: agentd approvals approve RUN CALL")
+    );
+    assert!(!o.stdout.contains(&other), "{}", o.stdout);
+    let o = agentd(Some(&d), &["approvals", "approve", &first, "call_1_0"]).await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    d.wait_status(ALPHA, &first, "succeeded").await;
+    assert_eq!(d.ledger.total(), 1);
+    let o = agentd(
+        Some(&d),
+        &["approvals", "reject", &second, "call_1_0", "--reason", "no"],
+    )
+    .await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    d.wait_status(ALPHA, &second, "succeeded").await;
+    assert_eq!(d.ledger.total(), 1, "a rejected call never runs");
+    let o = agentd(Some(&d), &["--output", "json", "approvals", "list"]).await;
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["approvals"], serde_json::json!([]), "{v}");
+    let o = agentd(Some(&d), &["approvals"]).await;
+    assert!(
+        o.stdout.contains("no calls wait for an operator"),
+        "{}",
+        o.stdout
+    );
+
+    // A cancelled run shows no approve hints.
+    let o = agentd(Some(&d), &["runs", "cancel", &other, "--reason", "gone"]).await;
+    assert_eq!(o.code, 4, "beta's run is not alpha's: {}", o.stderr);
+    let cancelled = d.create(ALPHA, "approver").await;
+    d.wait_status(ALPHA, &cancelled, "waiting_approval").await;
+    let o = agentd(Some(&d), &["runs", "cancel", &cancelled]).await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert!(!o.stdout.contains("approve:"), "{}", o.stdout);
+    let o = agentd(Some(&d), &["runs", "get", &cancelled]).await;
+    assert!(!o.stdout.contains("approve:"), "{}", o.stdout);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn follow_wait_prints_the_hints_while_it_waits() {
+    use tokio::io::{AsyncBufReadExt as _, BufReader};
+    let d = TestDaemon::start().await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
+        .env_remove("AGENTD_URL")
+        .env_remove("AGENTD_TOKEN")
+        .args(["--url", &d.base(), "--token", ALPHA])
+        .args(["run", "approver", "charge it", "--follow", "--wait"])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    let approve = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            seen.push(line.clone());
+            if line.contains("approve: agentd runs approve") {
+                return line;
+            }
+        }
+        panic!("the stream ended without hints: {seen:?}");
+    })
+    .await
+    .expect("no approve hint while waiting");
+    let cmd: Vec<&str> = approve.split_whitespace().skip(2).collect();
+    let o = agentd(Some(&d), &cmd).await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("--follow --wait did not end with the run")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let mut rest = String::new();
+    while let Ok(Some(l)) = lines.next_line().await {
+        rest.push_str(&l);
+        rest.push('\n');
+    }
+    assert!(rest.contains("succeeded"), "{rest}");
+    d.stop().await;
+}

@@ -66,6 +66,11 @@ fn row(method: &str, path: &str, id: &str) -> Vec<Row> {
             body: Some(json!({"text": "hi"})),
             sse: false,
         }],
+        ("GET", "/v1/approvals") => vec![Row {
+            path: p(path),
+            body: None,
+            sse: false,
+        }],
         ("GET", "/v1/agents") => vec![Row {
             path: p(path),
             body: None,
@@ -131,9 +136,19 @@ async fn other_tenants_see_404_exactly_like_a_missing_run() {
                     (s_missing, &body_missing),
                     "{label}"
                 );
-            } else if route.method == "GET" && route.path == "/v1/runs" {
+            } else if route.method == "GET"
+                && (route.path == "/v1/runs" || route.path == "/v1/approvals")
+            {
                 assert_eq!(s_other, StatusCode::OK);
                 assert!(!body_other.contains(&id), "{label}: beta lists alpha's run");
+                // The owner does see it: the check above is not vacuous.
+                let (s_own, body_own) =
+                    send(&d, route.method, &r, Some(&format!("Bearer {ALPHA}"))).await;
+                assert_eq!(s_own, StatusCode::OK, "{label}");
+                assert!(
+                    body_own.contains(&id),
+                    "{label}: alpha does not list its run"
+                );
             } else {
                 assert!(s_other.is_success(), "{label}: {s_other} {body_other}");
             }
