@@ -56,7 +56,15 @@ pub(super) fn stream(
             }
             // Then live, until a gap or a lag sends us back to the store.
             loop {
-                let next = tokio::time::timeout(Duration::from_secs(15), live.recv()).await;
+                // Events of a run owned by another node never reach this node's hub: read the
+                // store often then; a run owned here is published live, the store only checked
+                // now and then.
+                let quiet = if deps.leases.holds(&id) {
+                    Duration::from_secs(15)
+                } else {
+                    Duration::from_millis(500)
+                };
+                let next = tokio::time::timeout(quiet, live.recv()).await;
                 match next {
                     Ok(Ok(e)) if e.seq <= last => continue,
                     Ok(Ok(e)) if e.seq == last + 1 => {
