@@ -292,6 +292,40 @@ pub fn redact_log_line(line: &str) -> String {
     }
 }
 
+/// Replaces the panic hook with one that writes the panic's report (message and location)
+/// redacted with the installed log redactor, then hands a backtrace to stderr as the default
+/// hook would (when `RUST_BACKTRACE` asks for one). A panic message can quote any value the
+/// code held (a request, a tool's output), so it is treated as a log line.
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let report = redacted_panic_report(info);
+        let backtrace = std::backtrace::Backtrace::capture();
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        let text = match backtrace.status() {
+            std::backtrace::BacktraceStatus::Captured => {
+                redact_log_line(&format!("\nstack backtrace:\n{backtrace}"))
+            }
+            _ => String::new(),
+        };
+        eprintln!("thread '{name}' {report}{text}");
+    }));
+}
+
+/// `panicked at <location>:\n<message>`, redacted with the installed log redactor.
+pub fn redacted_panic_report(info: &std::panic::PanicHookInfo<'_>) -> String {
+    let payload = info.payload();
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "Box<dyn Any>".to_owned());
+    let location = info
+        .location()
+        .map_or_else(|| "an unknown location".to_owned(), ToString::to_string);
+    redact_log_line(&format!("panicked at {location}:\n{message}"))
+}
+
 /// A `tracing_subscriber` writer that buffers one formatted event and writes it redacted to
 /// the inner writer when dropped: no log line leaves the process with a configured secret in
 /// it, whatever a log call passed as a field.
@@ -451,6 +485,30 @@ mod tests {
         assert_eq!(out, format!("{}[reda…", "x".repeat(20)));
         assert_eq!(cut_chars("ééé", 2), "éé…");
         assert_eq!(cut_chars("ééé", 3), "ééé");
+    }
+
+    #[test]
+    fn a_panic_report_is_redacted() {
+        let planted = "panic-planted-secret-31a2";
+        install_log_redactor(std::sync::Arc::new(Redactor::with_secrets([planted])));
+        let report = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let seen = report.clone();
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            *seen.lock().unwrap() = redacted_panic_report(info);
+        }));
+        let caught = std::panic::catch_unwind(|| {
+            panic!("request failed with {{\"password\": \"pw-77\"}} and key {planted}")
+        });
+        std::panic::set_hook(previous);
+        assert!(caught.is_err());
+        let report = report.lock().unwrap().clone();
+        assert!(report.starts_with("panicked at src/redact.rs:"), "{report}");
+        assert!(
+            !report.contains(planted) && !report.contains("pw-77"),
+            "{report}"
+        );
+        assert!(report.contains("key [redacted]"), "{report}");
     }
 
     #[test]

@@ -102,12 +102,12 @@ pub fn describe(e: &EventDto) -> Option<String> {
     })
 }
 
-fn print_waiting(run: &RunDto, output: Output) {
+fn print_waiting(run: &RunDto, output: Output) -> std::io::Result<()> {
     if output == Output::Json {
-        return;
+        return Ok(());
     }
     for p in &run.pending_approvals {
-        println!(
+        outln!(
             "  waiting for approval: {}({}) [{}]{}",
             p.tool,
             compact(&p.arguments),
@@ -117,18 +117,20 @@ fn print_waiting(run: &RunDto, output: Output) {
             } else {
                 ""
             }
-        );
-        println!("    approve: agentd runs approve {} {}", run.id, p.call_id);
-        println!(
+        )?;
+        outln!("    approve: agentd runs approve {} {}", run.id, p.call_id)?;
+        outln!(
             "    reject:  agentd runs reject {} {} --reason \"…\"",
-            run.id, p.call_id
-        );
+            run.id,
+            p.call_id
+        )?;
     }
     if let Some(q) = &run.awaiting_input {
-        println!("  waiting for input: {q}");
-        println!("    answer: agentd runs input {} \"…\"", run.id);
+        outln!("  waiting for input: {q}")?;
+        outln!("    answer: agentd runs input {} \"…\"", run.id)?;
     }
-    println!("  follow again: agentd runs events {} --follow", run.id);
+    outln!("  follow again: agentd runs events {} --follow", run.id)?;
+    Ok(())
 }
 
 /// Follows the run from `after`; returns the exit code.
@@ -143,7 +145,7 @@ pub async fn follow(
     let mut start_ms: Option<i128> = None;
     let mut reconnects = 0;
     if output == Output::Table {
-        println!("run {run_id}");
+        outln!("run {run_id}")?;
     }
     loop {
         let mut stream = match c.events_stream(run_id, last).await {
@@ -163,14 +165,14 @@ pub async fn follow(
             }
             last = e.seq;
             if output == Output::Json {
-                println!("{}", serde_json::to_string(&e)?);
+                outln!("{}", serde_json::to_string(&e)?)?;
             } else if let Some(line) = describe(&e) {
                 let at = ms_of(&e.at);
                 let base = *start_ms.get_or_insert(at.unwrap_or(0));
                 let secs = at.map_or(0.0, |a| (a - base) as f64 / 1000.0);
-                println!("[+{secs:>6.2}s] {line}");
+                outln!("[+{secs:>6.2}s] {line}")?;
             }
-            let _ = std::io::stdout().flush();
+            std::io::stdout().flush()?;
             match e.kind.as_str() {
                 "run_succeeded" => return Ok(0),
                 "run_failed" => return Ok(EXIT_FAILED),
@@ -184,7 +186,7 @@ pub async fn follow(
                     .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
                     .await?;
                 if run.status == status && run.version == e.seq {
-                    print_waiting(&run, output);
+                    print_waiting(&run, output)?;
                     return Ok(EXIT_WAITING);
                 }
             }
