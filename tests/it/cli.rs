@@ -182,3 +182,72 @@ async fn a_closed_stdout_ends_the_cli_quietly_with_its_exit_code() {
     assert!(stderr.trim().is_empty(), "not quiet: {stderr}");
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn env_tokens_get_the_length_and_duplicate_checks_of_literal_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agentd.toml");
+    let p = path.to_str().unwrap().to_owned();
+    let check = |env: Vec<(&'static str, String)>, serve: bool| {
+        let p = p.clone();
+        async move {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_agentd"));
+            c.env_remove("AGENTD_TOKEN").envs(env);
+            if serve {
+                c.args(["serve", "--config", &p, "--listen", "127.0.0.1:0"]);
+            } else {
+                c.args(["config", "check", "--config", &p]);
+            }
+            let out = tokio::time::timeout(Duration::from_secs(30), c.kill_on_drop(true).output())
+                .await
+                .expect("the command did not end")
+                .unwrap();
+            (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+    };
+    let with_beta_token = |beta: &str| {
+        crate::daemon_support::file_config().replace(
+            r#"tokens = ["beta-token-0123456789ab"]"#,
+            &format!("tokens = [{beta:?}]"),
+        )
+    };
+    std::fs::write(&path, with_beta_token("env:AGENTD_IT_BETA_TOKEN")).unwrap();
+    // Too short from the environment: refused by config check and by serve.
+    for serve in [false, true] {
+        let (code, stderr) = check(vec![("AGENTD_IT_BETA_TOKEN", "short".into())], serve).await;
+        assert_ne!(code, 0, "{stderr}");
+        assert!(
+            stderr.contains("tenants[1].tokens[0]: a token (the value of AGENTD_IT_BETA_TOKEN) must be at least 16 characters"),
+            "{stderr}"
+        );
+    }
+    // Alpha's literal token given to beta through the environment: refused, token not shown.
+    for serve in [false, true] {
+        let (code, stderr) = check(vec![("AGENTD_IT_BETA_TOKEN", ALPHA.into())], serve).await;
+        assert_ne!(code, 0, "{stderr}");
+        assert!(
+            stderr.contains(r#"tenants[1].tokens[0]: the same token (the value of AGENTD_IT_BETA_TOKEN) is configured for tenants "alpha" and "beta""#),
+            "{stderr}"
+        );
+        assert!(!stderr.contains(ALPHA), "{stderr}");
+    }
+    // Two literal tokens shared by two tenants: refused as well.
+    std::fs::write(&path, with_beta_token(ALPHA)).unwrap();
+    let (code, stderr) = check(vec![], false).await;
+    assert_eq!(code, 4, "{stderr}");
+    assert!(
+        stderr.contains(r#"is configured for tenants "alpha" and "beta""#),
+        "{stderr}"
+    );
+    // A long, distinct env token is fine.
+    std::fs::write(&path, with_beta_token("env:AGENTD_IT_BETA_TOKEN")).unwrap();
+    let (code, stderr) = check(
+        vec![("AGENTD_IT_BETA_TOKEN", "beta-from-env-0123456789".into())],
+        false,
+    )
+    .await;
+    assert_eq!(code, 0, "{stderr}");
+}
