@@ -2,6 +2,18 @@
 //! daemon over HTTP (`run`, `runs …`, `agents`, `healthcheck`) plus `config check`.
 //!
 //! Exit codes of `run --follow` and `runs events --follow` (see `EXIT_CODES`).
+//!
+//! Output goes through `outln!`, which returns a write error instead of panicking: a closed
+//! stdout (`agentd … | head -3`) ends the command quietly with [`EXIT_CLOSED_OUTPUT`].
+
+/// `println!` on stdout that returns the `io::Result` instead of panicking when stdout is
+/// closed.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
 
 pub mod client;
 pub mod timeline;
@@ -27,7 +39,8 @@ Exit codes:
   2  with --follow: the run was cancelled
   3  with --follow: the run waits for an operator (approval or input); the commands to run are printed
   4  the request failed (daemon unreachable, API error, bad config)
-  64 usage error";
+  64 usage error
+  141 stdout was closed before the output was complete (e.g. `| head`), as for SIGPIPE";
 
 /// Exit code: the run failed.
 pub const EXIT_FAILED: i32 = 1;
@@ -39,6 +52,17 @@ pub const EXIT_WAITING: i32 = 3;
 pub const EXIT_ERROR: i32 = 4;
 /// Exit code: bad usage.
 pub const EXIT_USAGE: i32 = 64;
+/// Exit code: stdout was closed before the output was complete (128 + SIGPIPE, what a shell
+/// reports for a tool the signal stopped).
+pub const EXIT_CLOSED_OUTPUT: i32 = 141;
+
+/// Whether `e` is a write to a closed stdout (a reader such as `head` went away).
+pub fn is_closed_output(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
 
 /// How results are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -292,7 +316,7 @@ pub enum ConfigCommand {
 }
 
 fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
-    println!("{}", serde_json::to_string_pretty(v)?);
+    outln!("{}", serde_json::to_string_pretty(v)?)?;
     Ok(())
 }
 
@@ -366,7 +390,7 @@ fn print_run(run: &RunDto, output: Output) -> anyhow::Result<()> {
     }
     row(&mut t, "created", run.created_at.clone());
     row(&mut t, "updated", run.updated_at.clone());
-    println!("{t}");
+    outln!("{t}")?;
     Ok(())
 }
 
@@ -394,9 +418,9 @@ fn print_runs(list: &RunListDto, output: Output) -> anyhow::Result<()> {
             r.updated_at.clone(),
         ]);
     }
-    println!("{t}");
+    outln!("{t}")?;
     if let Some(c) = &list.next_cursor {
-        println!("more: --cursor {c}");
+        outln!("more: --cursor {c}")?;
     }
     Ok(())
 }
@@ -482,7 +506,10 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
             if output == Output::Json {
                 print_json(&cfg.redacted())?;
             } else {
-                print!("{}", cfg.to_redacted_toml()?);
+                {
+                    use std::io::Write as _;
+                    write!(std::io::stdout().lock(), "{}", cfg.to_redacted_toml()?)?;
+                }
             }
             eprintln!("configuration is valid");
             Ok(0)
@@ -508,7 +535,7 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                     let tools: Vec<&str> = a.tools.iter().map(|t| t.name.as_str()).collect();
                     t.add_row(vec![a.name.clone(), a.model.clone(), tools.join(", ")]);
                 }
-                println!("{t}");
+                outln!("{t}")?;
             }
             Ok(0)
         }
@@ -637,7 +664,7 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                                 short(&e.data, 100),
                             ]);
                         }
-                        println!("{t}");
+                        outln!("{t}")?;
                     }
                     Ok(0)
                 }

@@ -751,7 +751,9 @@ impl Config {
             ));
         }
         let mut ids = HashSet::new();
-        let mut tokens = HashSet::new();
+        // Token value → the tenant it belongs to. `env:` tokens are checked by their value
+        // when the variable is set (start-up refuses an unset one when it resolves them).
+        let mut tokens: HashMap<String, &str> = HashMap::new();
         for (i, t) in self.tenants.iter().enumerate() {
             if !valid_name(&t.id) {
                 return Err(invalid(
@@ -773,11 +775,29 @@ impl Config {
             }
             for (j, tok) in t.tokens.iter().enumerate() {
                 let key = format!("tenants[{i}].tokens[{j}]");
-                if tok.env_name().is_none() && tok.0.len() < 16 {
-                    return Err(invalid(key, "a token must be at least 16 characters"));
+                let (value, source) = match tok.env_name() {
+                    Some(name) => match tok.resolve(&key) {
+                        Ok(v) => (v, format!(" (the value of {name})")),
+                        Err(_) => continue,
+                    },
+                    None => (tok.0.clone(), String::new()),
+                };
+                if value.chars().count() < 16 {
+                    return Err(invalid(
+                        key,
+                        format!("a token{source} must be at least 16 characters"),
+                    ));
                 }
-                if !tokens.insert(tok.0.as_str()) {
-                    return Err(invalid(key, "the same token is configured twice"));
+                if let Some(owner) = tokens.insert(value, &t.id) {
+                    let message = if owner == t.id {
+                        format!("the same token{source} is configured twice")
+                    } else {
+                        format!(
+                            "the same token{source} is configured for tenants {owner:?} and {:?}",
+                            t.id
+                        )
+                    };
+                    return Err(invalid(key, message));
                 }
             }
         }

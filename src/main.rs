@@ -122,6 +122,7 @@ fn main() -> ExitCode {
     };
     let is_serve = matches!(cli.command, Command::Serve(_));
     init_tracing(cli.log_format, is_serve);
+    agentd::redact::install_panic_hook();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -143,6 +144,8 @@ fn main() -> ExitCode {
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        // The reader went away (`| head`): nothing to say, and nobody to say it to.
+        Err(e) if cli::is_closed_output(&e) => ExitCode::from(cli::EXIT_CLOSED_OUTPUT as u8),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(cli::EXIT_ERROR as u8)

@@ -13,6 +13,13 @@
 //!   pattern matches them.
 //! - **value patterns**: text that looks like a credential (default: `Bearer <token>`,
 //!   `sk-…` keys) is replaced inside any string.
+//! - **sensitive keys in JSON text**: inside any string, a `"key": "value"` pair whose key is
+//!   sensitive has its value replaced, also when the text was cut inside the value. So JSON
+//!   that arrives as text (a body that was not valid JSON, a log line) keeps the key rule.
+//!
+//! Order: redact the whole text first, cut it to size after ([`Redactor::redact_then_cut`]).
+//! A cut made first turns an object into a plain string and can split a secret so that no
+//! rule sees it whole.
 
 use std::borrow::Cow;
 
@@ -51,6 +58,23 @@ pub struct Redactor {
     key_patterns: Vec<String>,
     keys: RegexSet,
     values: Vec<Regex>,
+}
+
+/// A `"key": "value"` pair in JSON text (the value may run to the end of a cut text).
+fn json_pair_pattern() -> Option<&'static Regex> {
+    static PAIR: std::sync::OnceLock<Option<Regex>> = std::sync::OnceLock::new();
+    PAIR.get_or_init(|| {
+        Regex::new(r#""((?:[^"\\\n]|\\.){1,256})"(\s*:\s*)"(?:[^"\\]|\\.)*(?:"|\\?$)"#).ok()
+    })
+    .as_ref()
+}
+
+/// `text` cut to at most `max_chars` characters (on a character boundary), with `…` when cut.
+pub fn cut_chars(text: &str, max_chars: usize) -> Cow<'_, str> {
+    match text.char_indices().nth(max_chars) {
+        Some((cut, _)) => Cow::Owned(format!("{}…", &text[..cut])),
+        None => Cow::Borrowed(text),
+    }
 }
 
 impl std::fmt::Debug for Redactor {
@@ -168,7 +192,36 @@ impl Redactor {
                 out = Cow::Owned(re.replace_all(&out, REDACTED).into_owned());
             }
         }
+        if let Some(pairs) = self.sensitive_pairs_in(&out) {
+            out = Cow::Owned(pairs);
+        }
         out
+    }
+
+    /// `text` with the value of every sensitive `"key": "value"` pair replaced, or `None` when
+    /// it has none.
+    fn sensitive_pairs_in(&self, text: &str) -> Option<String> {
+        if self.keys.is_empty() || !text.contains('"') || !text.contains(':') {
+            return None;
+        }
+        let pair = json_pair_pattern()?;
+        let mut changed = false;
+        let replaced = pair.replace_all(text, |c: &regex::Captures<'_>| {
+            let key = &c[1];
+            if self.is_sensitive_key(key) {
+                changed = true;
+                format!("\"{key}\"{}\"{REDACTED}\"", &c[2])
+            } else {
+                c[0].to_owned()
+            }
+        });
+        changed.then(|| replaced.into_owned())
+    }
+
+    /// The whole text redacted, then cut to at most `max_chars` characters (with `…` when cut).
+    /// Never the other way round: a cut can split a secret so that no rule sees it whole.
+    pub fn redact_then_cut(&self, text: &str, max_chars: usize) -> String {
+        cut_chars(&self.redact_str(text), max_chars).into_owned()
     }
 
     /// A redacted copy of a JSON value.
@@ -237,6 +290,40 @@ pub fn redact_log_line(line: &str) -> String {
             .redact_str(line)
             .into_owned(),
     }
+}
+
+/// Replaces the panic hook with one that writes the panic's report (message and location)
+/// redacted with the installed log redactor, then hands a backtrace to stderr as the default
+/// hook would (when `RUST_BACKTRACE` asks for one). A panic message can quote any value the
+/// code held (a request, a tool's output), so it is treated as a log line.
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let report = redacted_panic_report(info);
+        let backtrace = std::backtrace::Backtrace::capture();
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        let text = match backtrace.status() {
+            std::backtrace::BacktraceStatus::Captured => {
+                redact_log_line(&format!("\nstack backtrace:\n{backtrace}"))
+            }
+            _ => String::new(),
+        };
+        eprintln!("thread '{name}' {report}{text}");
+    }));
+}
+
+/// `panicked at <location>:\n<message>`, redacted with the installed log redactor.
+pub fn redacted_panic_report(info: &std::panic::PanicHookInfo<'_>) -> String {
+    let payload = info.payload();
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "Box<dyn Any>".to_owned());
+    let location = info
+        .location()
+        .map_or_else(|| "an unknown location".to_owned(), ToString::to_string);
+    redact_log_line(&format!("panicked at {location}:\n{message}"))
 }
 
 /// A `tracing_subscriber` writer that buffers one formatted event and writes it redacted to
@@ -370,6 +457,58 @@ mod tests {
         let r = Redactor::with_secrets(["abcdefgh", "abcdefgh-ijkl", "abc"]);
         assert_eq!(r.redact_str("x abcdefgh-ijkl y abc"), "x [redacted] y abc");
         assert!(!format!("{r:?}").contains("abcdefgh"));
+    }
+
+    #[test]
+    fn sensitive_keys_are_recognised_in_json_text_even_when_it_was_cut() {
+        let r = Redactor::with_secrets([KEY]);
+        let text = r#"{"id":7,"db_password":"pw-1f9e8d7c","note":"fine","api_key":"half-a-val"#;
+        let out = r.redact_str(text);
+        assert_eq!(
+            out,
+            r#"{"id":7,"db_password":"[redacted]","note":"fine","api_key":"[redacted]""#
+        );
+        // Escaped quotes inside a value do not end it early.
+        let out = r.redact_str(r#"{"password" : "a\"b\"c", "x":"y"}"#);
+        assert_eq!(out, r#"{"password" : "[redacted]", "x":"y"}"#);
+        // Text without a sensitive pair is not copied.
+        assert!(matches!(r.redact_str(r#"{"a":"b"}"#), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn redact_then_cut_never_leaves_part_of_a_secret() {
+        let r = Redactor::with_secrets([KEY]);
+        let text = format!("{}{KEY} and more", "x".repeat(20));
+        // A cut at 25 characters falls inside the secret.
+        let out = r.redact_then_cut(&text, 25);
+        assert!(!out.contains(&KEY[..5]), "{out}");
+        assert_eq!(out, format!("{}[reda…", "x".repeat(20)));
+        assert_eq!(cut_chars("ééé", 2), "éé…");
+        assert_eq!(cut_chars("ééé", 3), "ééé");
+    }
+
+    #[test]
+    fn a_panic_report_is_redacted() {
+        let planted = "panic-planted-secret-31a2";
+        install_log_redactor(std::sync::Arc::new(Redactor::with_secrets([planted])));
+        let report = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let seen = report.clone();
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            *seen.lock().unwrap() = redacted_panic_report(info);
+        }));
+        let caught = std::panic::catch_unwind(|| {
+            panic!("request failed with {{\"password\": \"pw-77\"}} and key {planted}")
+        });
+        std::panic::set_hook(previous);
+        assert!(caught.is_err());
+        let report = report.lock().unwrap().clone();
+        assert!(report.starts_with("panicked at src/redact.rs:"), "{report}");
+        assert!(
+            !report.contains(planted) && !report.contains("pw-77"),
+            "{report}"
+        );
+        assert!(report.contains("key [redacted]"), "{report}");
     }
 
     #[test]

@@ -333,8 +333,13 @@ impl Runtime {
         }
         let (gateway, gateway_join) =
             ModelGateway::start(config.gateway, parts.models, config.model_limits.clone()).await?;
-        let (tools, tools_join) =
-            ToolExecutor::start(config.tool_pool, config.per_tool_rps.clone()).await?;
+        let redactor = parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none()));
+        let (tools, tools_join) = ToolExecutor::start(
+            config.tool_pool,
+            config.per_tool_rps.clone(),
+            redactor.clone(),
+        )
+        .await?;
         let metrics = Arc::new(Metrics::default());
         let deps = Arc::new(RunDeps {
             store: parts.store,
@@ -349,7 +354,7 @@ impl Runtime {
             metrics,
             passivate_after: config.passivate_after,
             active: DashMap::new(),
-            redactor: parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none())),
+            redactor,
             leases: ownership::LeaseBook::default(),
             mismatched: DashMap::new(),
         });

@@ -21,6 +21,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ids::{CallId, RunId};
 
+/// Longest error message of a tool result, in characters (cut after redaction).
+pub const MAX_ERROR_MESSAGE_CHARS: usize = 500;
+
 /// What running the tool does to the world, which decides what recovery may do with a call
 /// whose outcome is unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -294,6 +297,21 @@ impl ToolResult {
         self
     }
 
+    /// The result as it leaves the executor: redacted whole first, then its data capped at
+    /// `max_bytes` and its error message at [`MAX_ERROR_MESSAGE_CHARS`]. In this order because
+    /// a capped output is a plain string whose sensitive keys no rule recognises any more, and
+    /// a secret cut at the limit would leak in part.
+    pub fn sanitized(mut self, redactor: &crate::redact::Redactor, max_bytes: usize) -> Self {
+        self.redact(redactor);
+        if let Some(e) = &mut self.error
+            && let std::borrow::Cow::Owned(m) =
+                crate::redact::cut_chars(&e.message, MAX_ERROR_MESSAGE_CHARS)
+        {
+            e.message = m;
+        }
+        self.capped(max_bytes)
+    }
+
     /// Removes secrets from the data and the error message (see `redact`).
     pub fn redact(&mut self, redactor: &crate::redact::Redactor) {
         if let Some(d) = &mut self.data {
@@ -343,5 +361,29 @@ mod tests {
         assert_eq!(r.data, Some(json!("\"é")));
         let small = ToolResult::success(json!({"a": 1})).capped(100);
         assert!(!small.truncated);
+    }
+
+    #[test]
+    fn sanitizing_redacts_the_whole_output_before_cutting_it() {
+        let secret = "planted-secret-4c1d9e";
+        let redactor = crate::redact::Redactor::with_secrets([secret]);
+        let filler = "z".repeat(200);
+        // The cap falls inside the secret and far before the end: cut first, the password
+        // would be a plain string and half the secret would stay.
+        let data = json!({"db_password": "pw-0a9b8c7d", "log": format!("{}{secret}{filler}", "y".repeat(40))});
+        let cap = data.to_string().find(secret).unwrap() + 6;
+        let r = ToolResult::success(data).sanitized(&redactor, cap);
+        assert!(r.truncated);
+        let text = r.data.unwrap().to_string();
+        assert!(
+            !text.contains("pw-0a9b8c7d") && !text.contains(&secret[..6]),
+            "{text}"
+        );
+        let long = format!("{}{secret}", "e".repeat(MAX_ERROR_MESSAGE_CHARS - 3));
+        let failed = ToolResult::failure(ToolError::new(ToolErrorCode::Failed, long))
+            .sanitized(&redactor, cap);
+        let message = failed.error.unwrap().message;
+        assert!(!message.contains(&secret[..3]), "{message}");
+        assert_eq!(message.chars().count(), MAX_ERROR_MESSAGE_CHARS + 1);
     }
 }

@@ -1,6 +1,10 @@
 //! Extractors whose rejections are `ApiError`: bounded JSON bodies (invalid JSON → 400, wrong
 //! shape → 422, too large → 413), query strings (→ 400) and path ids parsed with the id types
 //! (a malformed id → 404 without touching the store).
+//!
+//! Every body is a JSON object. serde would fill a struct from an array by position
+//! (`["demo", "x"]` as `{"agent": "demo", "input": "x"}`), so anything else valid JSON is
+//! refused (422 `invalid_request`) before it is deserialized.
 
 use std::collections::HashMap;
 
@@ -40,9 +44,10 @@ async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, ApiE
         })
 }
 
-/// Parses JSON, classifying syntax errors (400) and shape errors (422).
+/// Parses a JSON object, classifying syntax errors (400) and shape errors (422): a body that
+/// is valid JSON but not an object is a shape error.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes).map_err(|e| {
+    let classify = |e: serde_json::Error| {
         use serde_json::error::Category;
         match e.classify() {
             Category::Data => ApiError::invalid_request(e.to_string()),
@@ -50,7 +55,23 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
                 ApiError::invalid_json(format!("the body is not valid JSON: {e}"))
             }
         }
-    })
+    };
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        // Valid JSON of another kind is a shape error; anything else a syntax error.
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(classify)?;
+        let kind = match first {
+            Some(b'[') => "an array",
+            Some(b'"') => "a string",
+            Some(b'n') => "null",
+            Some(b't' | b'f') => "a boolean",
+            _ => "a number",
+        };
+        return Err(ApiError::invalid_request(format!(
+            "the body must be a JSON object, not {kind}"
+        )));
+    }
+    serde_json::from_slice(bytes).map_err(classify)
 }
 
 /// A JSON body (required).
@@ -146,5 +167,36 @@ impl<S: Send + Sync> FromRequestParts<S> for CallPath {
                 )
             })?;
         Ok(CallPath(id, call))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    struct Pair {
+        #[allow(dead_code)]
+        agent: String,
+        #[allow(dead_code)]
+        input: String,
+    }
+
+    #[test]
+    fn only_objects_are_bodies() {
+        assert!(parse_json::<Pair>(br#" {"agent":"demo","input":"x"}"#).is_ok());
+        for (body, kind) in [
+            (&br#"["demo", "x"]"#[..], "an array"),
+            (b"  \"demo\"", "a string"),
+            (b"null", "null"),
+            (b"true", "a boolean"),
+            (b"12", "a number"),
+        ] {
+            let e = parse_json::<Pair>(body).unwrap_err();
+            assert_eq!(e.code, "invalid_request", "{body:?}");
+            assert!(e.message.ends_with(kind), "{}", e.message);
+        }
+        assert_eq!(parse_json::<Pair>(b"[1,").unwrap_err().code, "invalid_json");
     }
 }

@@ -104,12 +104,12 @@ pub fn describe(e: &EventDto) -> Option<String> {
 
 /// The commands an operator can run for a waiting run; `stopping`: the follow ends here, so
 /// say how to follow again.
-fn print_waiting(run: &RunDto, output: Output, stopping: bool) {
+fn print_waiting(run: &RunDto, output: Output, stopping: bool) -> std::io::Result<()> {
     if output == Output::Json {
-        return;
+        return Ok(());
     }
     for p in &run.pending_approvals {
-        println!(
+        outln!(
             "  waiting for approval: {}({}) [{}]{}",
             p.tool,
             compact(&p.arguments),
@@ -119,22 +119,24 @@ fn print_waiting(run: &RunDto, output: Output, stopping: bool) {
             } else {
                 ""
             }
-        );
-        println!("    approve: agentd runs approve {} {}", run.id, p.call_id);
-        println!(
+        )?;
+        outln!("    approve: agentd runs approve {} {}", run.id, p.call_id)?;
+        outln!(
             "    reject:  agentd runs reject {} {} --reason \"…\"",
-            run.id, p.call_id
-        );
+            run.id,
+            p.call_id
+        )?;
     }
     if let Some(q) = &run.awaiting_input {
-        println!("  waiting for input: {q}");
-        println!("    answer: agentd runs input {} \"…\"", run.id);
+        outln!("  waiting for input: {q}")?;
+        outln!("    answer: agentd runs input {} \"…\"", run.id)?;
     }
     if stopping {
-        println!("  follow again: agentd runs events {} --follow", run.id);
+        outln!("  follow again: agentd runs events {} --follow", run.id)?;
     } else {
-        println!("  still following (--wait); Ctrl-C stops");
+        outln!("  still following (--wait); Ctrl-C stops")?;
     }
+    Ok(())
 }
 
 /// Follows the run from `after`; returns the exit code.
@@ -149,7 +151,7 @@ pub async fn follow(
     let mut start_ms: Option<i128> = None;
     let mut reconnects = 0;
     if output == Output::Table {
-        println!("run {run_id}");
+        outln!("run {run_id}")?;
     }
     loop {
         let mut stream = match c.events_stream(run_id, last).await {
@@ -169,14 +171,14 @@ pub async fn follow(
             }
             last = e.seq;
             if output == Output::Json {
-                println!("{}", serde_json::to_string(&e)?);
+                outln!("{}", serde_json::to_string(&e)?)?;
             } else if let Some(line) = describe(&e) {
                 let at = ms_of(&e.at);
                 let base = *start_ms.get_or_insert(at.unwrap_or(0));
                 let secs = at.map_or(0.0, |a| (a - base) as f64 / 1000.0);
-                println!("[+{secs:>6.2}s] {line}");
+                outln!("[+{secs:>6.2}s] {line}")?;
             }
-            let _ = std::io::stdout().flush();
+            std::io::stdout().flush()?;
             match e.kind.as_str() {
                 "run_succeeded" => return Ok(0),
                 "run_failed" => return Ok(EXIT_FAILED),
@@ -190,7 +192,7 @@ pub async fn follow(
                     .call(Method::GET, &format!("/v1/runs/{run_id}"), None)
                     .await?;
                 if run.status == status && run.version == e.seq {
-                    print_waiting(&run, output, !wait);
+                    print_waiting(&run, output, !wait)?;
                     let _ = std::io::stdout().flush();
                     if !wait {
                         return Ok(EXIT_WAITING);

@@ -289,6 +289,7 @@ fn build_model(
     name: &str,
     m: &ModelConfig,
     default_timeout: std::time::Duration,
+    redactor: &Redactor,
 ) -> Result<Arc<dyn ModelProvider>, BuildError> {
     let key = format!("models.{name}");
     match m.kind {
@@ -302,7 +303,9 @@ fn build_model(
             let mut config = OpenAiConfig::new(name, base_url, model);
             config.api_key = resolve(&m.api_key, &format!("{key}.api_key"))?.map(ApiKey::new);
             config.timeout = m.timeout.unwrap_or(default_timeout);
-            let provider = OpenAiProvider::new(config).map_err(|e| invalid(key, e.message))?;
+            let provider = OpenAiProvider::new(config)
+                .map_err(|e| invalid(key, e.message))?
+                .with_redactor(redactor);
             Ok(Arc::new(provider))
         }
         ModelKind::Scripted => {
@@ -392,7 +395,7 @@ pub async fn build_parts(
     for (name, m) in &config.models {
         models.insert(
             name.clone(),
-            build_model(name, m, config.runtime.model_timeout)?,
+            build_model(name, m, config.runtime.model_timeout, &redactor)?,
         );
     }
     let mut agents = Vec::new();

@@ -15,7 +15,10 @@
 //! Tool calls are recognised whenever the reply carries them, whatever `finish_reason` says.
 //! Malformed tool-call argument JSON is passed through verbatim: the run's decision step turns
 //! it into a correction request for the model. The API key is sent as a bearer token and never
-//! logged; provider error messages are redacted of it before they travel anywhere.
+//! logged; provider error messages are redacted of it (and of every configured secret, see
+//! `with_redactor`) before they travel anywhere, and only then cut to
+//! [`MAX_ERROR_MESSAGE_CHARS`]. Streamed replies are bounded like non-streamed ones: at most
+//! [`MAX_REPLY_BYTES`] of a stream is read.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -36,7 +39,7 @@ use crate::ids::RunId;
 use crate::redact::Redactor;
 use crate::tool::http::read_body_capped;
 
-/// Largest non-streaming reply body accepted (a completion is far smaller).
+/// Largest reply accepted, streamed or not, in bytes of the body (a completion is far smaller).
 pub const MAX_REPLY_BYTES: usize = 8 * 1024 * 1024;
 /// Longest provider error message carried into a `ModelError`.
 pub const MAX_ERROR_MESSAGE_CHARS: usize = 512;
@@ -190,6 +193,17 @@ impl OpenAiProvider {
         })
     }
 
+    /// Error messages are redacted with `redactor` (every configured secret) as well as this
+    /// model's own API key.
+    pub fn with_redactor(mut self, redactor: &Redactor) -> Self {
+        let mut redactor = redactor.clone();
+        if let Some(key) = &self.config.api_key {
+            redactor.add_secret(key.expose());
+        }
+        self.redactor = redactor;
+        self
+    }
+
     /// Streamed text deltas of every run go to `sink` (only when streaming is on).
     pub fn with_delta_sink(mut self, sink: TextDeltaSink) -> Self {
         self.delta_sink = Some(sink);
@@ -264,7 +278,21 @@ impl OpenAiProvider {
         on_delta: &(dyn Fn(&str) + Send + Sync),
     ) -> Result<ModelReply, AttemptError> {
         let response = self.send(request, true).await?;
-        let mut events = response.bytes_stream().eventsource();
+        // The stream ends (and the reply is refused below) once it passes MAX_REPLY_BYTES, so
+        // a provider that never stops cannot grow the buffer or the reply without bound.
+        let over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let over_seen = over.clone();
+        let bounded = response.bytes_stream().scan(0usize, move |read, chunk| {
+            if let Ok(bytes) = &chunk {
+                *read = read.saturating_add(bytes.len());
+                if *read > MAX_REPLY_BYTES {
+                    over_seen.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return futures::future::ready(None);
+                }
+            }
+            futures::future::ready(Some(chunk))
+        });
+        let mut events = Box::pin(bounded.eventsource());
         let mut acc = StreamAccumulator::default();
         while let Some(event) = events.next().await {
             let event = event.map_err(|e| {
@@ -289,6 +317,12 @@ impl OpenAiProvider {
             {
                 on_delta(&delta);
             }
+        }
+        if over.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(self.error(
+                ModelErrorKind::Rejected,
+                format!("streamed reply larger than {MAX_REPLY_BYTES} bytes"),
+            ));
         }
         if !acc.done && !acc.finished {
             return Err(self.unavailable("stream ended before the reply was complete".to_owned()));
@@ -351,13 +385,16 @@ impl OpenAiProvider {
             "{} ({}): {}",
             self.config.name,
             status.as_u16(),
-            self.redactor.redact_str(&err.error.message)
+            self.redactor
+                .redact_then_cut(&err.error.message, MAX_ERROR_MESSAGE_CHARS)
         );
         Err(err)
     }
 
     fn error(&self, kind: ModelErrorKind, message: String) -> AttemptError {
-        let message = self.redactor.redact_str(&message).into_owned();
+        let message = self
+            .redactor
+            .redact_then_cut(&message, MAX_ERROR_MESSAGE_CHARS);
         ModelError::new(kind, format!("{}: {message}", self.config.name)).into()
     }
 
@@ -417,7 +454,8 @@ fn source_chain(e: &reqwest::Error) -> String {
 }
 
 fn describe_stream_error<E: std::fmt::Display>(e: &E) -> String {
-    truncate_chars(&e.to_string(), MAX_ERROR_MESSAGE_CHARS)
+    // Cut later, after redaction (`OpenAiProvider::error`).
+    e.to_string()
 }
 
 /// One provider-neutral message in the Chat Completions shape.
@@ -705,7 +743,7 @@ impl StreamAccumulator {
 /// `(message, code-or-type)` of an OpenAI-style error object, or of a bare string error.
 fn error_fields(err: &Value) -> (String, Option<String>) {
     match err {
-        Value::String(s) => (truncate_chars(s, MAX_ERROR_MESSAGE_CHARS), None),
+        Value::String(s) => (s.clone(), None),
         Value::Object(o) => {
             let message = o
                 .get("message")
@@ -718,23 +756,14 @@ fn error_fields(err: &Value) -> (String, Option<String>) {
                 .or_else(|| o.get("code").and_then(Value::as_str))
                 .or_else(|| o.get("type").and_then(Value::as_str))
                 .map(str::to_owned);
-            (truncate_chars(message, MAX_ERROR_MESSAGE_CHARS), code)
+            (message.to_owned(), code)
         }
-        other => (
-            truncate_chars(&other.to_string(), MAX_ERROR_MESSAGE_CHARS),
-            None,
-        ),
+        other => (other.to_string(), None),
     }
 }
 
-fn truncate_chars(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((cut, _)) => format!("{}…", &s[..cut]),
-        None => s.to_owned(),
-    }
-}
-
-/// Classifies a non-2xx reply. The message is the provider's (bounded), not yet redacted.
+/// Classifies a non-2xx reply. The message is the provider's, bounded only by the error body
+/// read (64 KiB): not yet redacted, so not yet cut (the caller redacts, then cuts).
 pub fn classify_status(
     status: u16,
     headers: &HeaderMap,
@@ -749,7 +778,7 @@ pub fn classify_status(
         Some(v) => error_fields(v),
         None => (String::from_utf8_lossy(body).into_owned(), None),
     };
-    let message = truncate_chars(message.trim(), MAX_ERROR_MESSAGE_CHARS);
+    let message = message.trim().to_owned();
     let message = if message.is_empty() {
         format!("HTTP {status}")
     } else {
@@ -902,9 +931,34 @@ mod tests {
             now,
         );
         assert_eq!(e.error.message, "model not found");
-        let long = "x".repeat(5000);
-        let e = classify_status(400, &HeaderMap::new(), long.as_bytes(), now);
-        assert!(e.error.message.chars().count() <= MAX_ERROR_MESSAGE_CHARS + 1);
+    }
+
+    #[test]
+    fn error_messages_are_redacted_whole_then_cut() {
+        let key = "sk-provider-key-5e4d3c2b1a";
+        let planted = "planted-config-secret-77";
+        let mut config = OpenAiConfig::new("m", "http://127.0.0.1:1/v1", "x");
+        config.api_key = Some(ApiKey::new(key));
+        let provider = OpenAiProvider::new(config)
+            .unwrap()
+            .with_redactor(&Redactor::with_secrets([planted]));
+        // Both secrets straddle the cut: cut first, their first characters would remain.
+        for secret in [key, planted] {
+            let long = format!(
+                "{}{secret}{}",
+                "x".repeat(MAX_ERROR_MESSAGE_CHARS - 4),
+                "y".repeat(5000)
+            );
+            let e = classify_status(400, &HeaderMap::new(), long.as_bytes(), SystemTime::now());
+            assert_eq!(
+                e.error.message.len(),
+                long.len(),
+                "classification does not cut"
+            );
+            let AttemptError { error, .. } = provider.error(ModelErrorKind::Rejected, long);
+            assert!(!error.message.contains(&secret[..4]), "{}", error.message);
+            assert!(error.message.chars().count() <= MAX_ERROR_MESSAGE_CHARS + 4);
+        }
     }
 
     #[test]

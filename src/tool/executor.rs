@@ -1,6 +1,14 @@
 //! The tool executor: the shared pool through which every run calls its tools. Each call gets
 //! its tool's timeout and output cap; per-tool rate limits (governor) are applied inside the
 //! workers, so calls over the rate wait in the bounded queue.
+//!
+//! Two rules hold for every job:
+//! - **A cancelled call is not sent.** The cancel token is checked after any rate-limit wait,
+//!   right before the tool is called, and the wait itself ends on cancellation: a call
+//!   cancelled while it was queued never reaches the tool.
+//! - **Redact, then cut.** A result is redacted whole (data and error message) before its data
+//!   is capped at `max_output_bytes` and its message at [`MAX_ERROR_MESSAGE_CHARS`], so no cut
+//!   hides a sensitive key or splits a secret (see `ToolResult::sanitized`).
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -10,8 +18,9 @@ use async_trait::async_trait;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use serde_json::Value;
 
-use super::{Tool, ToolContext, ToolError, ToolErrorCode, ToolResult};
+use super::{MAX_ERROR_MESSAGE_CHARS, Tool, ToolContext, ToolError, ToolErrorCode, ToolResult};
 use crate::pool::{Pool, PoolJob, PoolSize, ReplyOnce};
+use crate::redact::Redactor;
 
 /// What a tool job asks.
 #[derive(Debug)]
@@ -32,6 +41,7 @@ pub enum ToolOutcome {
 
 struct Shared {
     limiters: HashMap<String, DefaultDirectRateLimiter>,
+    redactor: Arc<Redactor>,
 }
 
 /// One tool job in the pool.
@@ -57,16 +67,19 @@ impl std::fmt::Debug for ToolExecutor {
 }
 
 impl ToolExecutor {
-    /// `per_tool_rps`: calls per second allowed for each named tool.
+    /// `per_tool_rps`: calls per second allowed for each named tool. `redactor` scrubs every
+    /// result before it is cut to size.
     pub async fn start(
         size: PoolSize,
         per_tool_rps: HashMap<String, NonZeroU32>,
+        redactor: Arc<Redactor>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ractor::SpawnErr> {
         let shared = Arc::new(Shared {
             limiters: per_tool_rps
                 .into_iter()
                 .map(|(t, n)| (t, RateLimiter::direct(Quota::per_second(n))))
                 .collect(),
+            redactor,
         });
         let (pool, join) = Pool::start("tool", size).await?;
         Ok((ToolExecutor { pool, shared }, join))
@@ -106,16 +119,37 @@ impl ToolExecutor {
 impl PoolJob for ToolJob {
     async fn run(mut self) {
         let spec = self.tool.spec();
+        let cancel = self.ctx.cancel.clone();
         if let Some(l) = self.shared.limiters.get(&spec.name) {
-            l.until_ready().await;
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => {}
+                () = l.until_ready() => {}
+            }
         }
+        let redactor = &self.shared.redactor;
+        let max_bytes = spec.max_output_bytes;
         let timeout = spec.timeout;
-        let outcome = match std::mem::replace(&mut self.work, ToolWork::Status) {
+        let work = std::mem::replace(&mut self.work, ToolWork::Status);
+        // Checked last thing before the call: the run may have been cancelled while this job
+        // was queued or waiting on the rate limit. Nothing was sent, so nothing was applied.
+        if cancel.is_cancelled() {
+            let error = ToolError::new(
+                ToolErrorCode::Retryable,
+                "the call was cancelled before it was sent",
+            );
+            self.reply.send(match work {
+                ToolWork::Call { .. } => ToolOutcome::Result(ToolResult::failure(error)),
+                ToolWork::Status => ToolOutcome::Status(Err(error)),
+            });
+            return;
+        }
+        let outcome = match work {
             ToolWork::Call { arguments } => {
                 let result =
                     match tokio::time::timeout(timeout, self.tool.call(&self.ctx, arguments)).await
                     {
-                        Ok(Ok(data)) => ToolResult::success(data).capped(spec.max_output_bytes),
+                        Ok(Ok(data)) => ToolResult::success(data),
                         Ok(Err(e)) => ToolResult::failure(e),
                         Err(_) => {
                             // Tell a tool that watches its token to stop; its outcome is unknown.
@@ -126,15 +160,18 @@ impl PoolJob for ToolJob {
                             ))
                         }
                     };
-                ToolOutcome::Result(result)
+                ToolOutcome::Result(result.sanitized(redactor, max_bytes))
             }
             ToolWork::Status => {
                 let status = match tokio::time::timeout(timeout, self.tool.status(&self.ctx)).await
                 {
                     Ok(Ok(found)) => {
-                        Ok(found.map(|d| ToolResult::success(d).capped(spec.max_output_bytes)))
+                        Ok(found.map(|d| ToolResult::success(d).sanitized(redactor, max_bytes)))
                     }
-                    Ok(Err(e)) => Err(e),
+                    Ok(Err(mut e)) => {
+                        e.message = redactor.redact_then_cut(&e.message, MAX_ERROR_MESSAGE_CHARS);
+                        Err(e)
+                    }
                     Err(_) => Err(ToolError::new(
                         ToolErrorCode::Timeout,
                         format!("no status within {timeout:?}"),

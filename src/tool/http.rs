@@ -19,7 +19,10 @@
 //!
 //! Output size: at most `max_output_bytes + OUTPUT_MARGIN_BYTES` of the body is read. A body
 //! that was cut, or is not JSON, comes back as a JSON string of its (lossy UTF-8) text; the
-//! caller's `ToolResult::capped(max_output_bytes)` then cuts it to size and sets `truncated`.
+//! executor redacts it whole, then cuts it to size and sets `truncated`
+//! (`ToolResult::sanitized`). The margin is larger than any secret, so a secret that straddles
+//! the cap is read whole and redacted before the cut. Error messages are passed on uncut (the
+//! error body is read up to 16 KiB) for the same reason.
 
 use std::time::Duration;
 
@@ -32,8 +35,6 @@ use super::{Tool, ToolContext, ToolEffect, ToolError, ToolErrorCode, ToolSpec};
 /// Read beyond `max_output_bytes` by this much, so the caller can tell "exactly at the cap"
 /// from "cut".
 pub const OUTPUT_MARGIN_BYTES: usize = 1024;
-/// Longest server error message passed back to the model.
-pub const MAX_SERVER_MESSAGE_CHARS: usize = 300;
 /// Error bodies are read up to this size only.
 const MAX_ERROR_BODY_BYTES: usize = 16 * 1024;
 
@@ -204,12 +205,14 @@ impl Tool for HttpTool {
     }
 
     async fn call(&self, ctx: &ToolContext, arguments: Value) -> Result<Value, ToolError> {
+        // Biased: a call cancelled before it starts is never sent.
         tokio::select! {
-            result = self.post(ctx, arguments) => result,
+            biased;
             () = ctx.cancel.cancelled() => Err(ToolError::new(
                 self.maybe_applied(),
                 "the call was cancelled before the tool answered",
             )),
+            result = self.post(ctx, arguments) => result,
         }
     }
 
@@ -226,10 +229,11 @@ impl Tool for HttpTool {
             .header("Idempotency-Key", &ctx.idempotency_key)
             .send();
         let mut response = tokio::select! {
-            r = request => r.map_err(|e| status_transport_error(&e))?,
+            biased;
             () = ctx.cancel.cancelled() => {
                 return Err(ToolError::new(ToolErrorCode::Retryable, "status query cancelled"));
             }
+            r = request => r.map_err(|e| status_transport_error(&e))?,
         };
         match response.status() {
             StatusCode::NOT_FOUND => Ok(None),
@@ -288,7 +292,7 @@ fn body_value(bytes: &[u8], cut: bool) -> Value {
     Value::String(String::from_utf8_lossy(bytes).into_owned())
 }
 
-/// The server's error message (bounded): `{"error":{"message"}}`, `{"error":"…"}`,
+/// The server's error message (bounded by the body read): `{"error":{"message"}}`, `{"error":"…"}`,
 /// `{"message":"…"}`, or the body text.
 async fn server_message(response: &mut reqwest::Response) -> String {
     let status = response.status();
@@ -310,11 +314,8 @@ async fn server_message(response: &mut reqwest::Response) -> String {
     } else {
         text
     };
-    let bounded = match text.char_indices().nth(MAX_SERVER_MESSAGE_CHARS) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text,
-    };
-    format!("HTTP {}: {bounded}", status.as_u16())
+    // Not cut here: the executor redacts the whole message, then cuts it.
+    format!("HTTP {}: {text}", status.as_u16())
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@
 //!   namespaced name does not fit `^[a-zA-Z0-9_-]{1,64}$` or collides, is skipped and reported
 //!   in [`McpDiscovery::skipped`].
 //! - Calls: wrapped in `tokio::time::timeout` (the tool's timeout; rmcp has none). A result
-//!   with `isError: true` is `failed` with its text; a JSON-RPC error is `invalid_argument`
+//!   with `isError: true` is `failed` with its text (uncut: the executor redacts it, then cuts
+//!   it); a JSON-RPC error is `invalid_argument`
 //!   (`-32602`) or `failed`; a timeout, a lost connection or a cancelled call may have run, so
 //!   it is `outcome_unknown` for non-`read` tools and `retryable` for `read` tools. A call that
 //!   found no running server (nothing was sent) is `retryable`.
@@ -17,7 +18,7 @@
 //! - Effects: MCP annotations are hints from the server, not a contract, so every tool takes
 //!   the server's configured `effect` unless `effects` overrides it by (MCP) tool name, or
 //!   `trust_annotations` is set (`readOnlyHint` → `read`, `idempotentHint` → `idempotent`).
-//! - A child's stderr is forwarded to tracing (`debug`, per server, lines capped); the child
+//! - A child's stderr is forwarded to tracing (`debug`, per server, lines redacted then capped); the child
 //!   runs in its own process group and is killed when its connection is dropped.
 
 use std::collections::{HashMap, HashSet};
@@ -47,8 +48,6 @@ pub const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR",
 pub const NAME_SEPARATOR: &str = "__";
 /// Longest stderr line forwarded to tracing.
 const MAX_STDERR_LINE: usize = 2048;
-/// Longest error text taken from a tool result.
-const MAX_ERROR_TEXT_CHARS: usize = 500;
 
 /// How to reach an MCP server.
 #[derive(Debug, Clone)]
@@ -460,10 +459,9 @@ async fn connect(config: &McpServerConfig) -> Result<(Client, Option<u32>), Stri
 async fn forward_stderr(server: String, stderr: tokio::process::ChildStderr) {
     let mut lines = tokio::io::BufReader::new(stderr).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        let line = match line.char_indices().nth(MAX_STDERR_LINE) {
-            Some((cut, _)) => &line[..cut],
-            None => line.as_str(),
-        };
+        // Redacted whole before the cut, so a secret at the limit does not leak in part.
+        let line = crate::redact::redact_log_line(&line);
+        let line = crate::redact::cut_chars(&line, MAX_STDERR_LINE);
         tracing::debug!(server = %server, "mcp stderr: {line}");
     }
 }
@@ -505,7 +503,7 @@ impl McpTool {
                 } else {
                     ToolErrorCode::Failed
                 };
-                ToolError::new(code, bounded(&data.message))
+                ToolError::new(code, data.message.to_string())
             }
             ServiceError::TransportClosed | ServiceError::TransportSend(_) => {
                 self.server.mark_dead(generation).await;
@@ -514,15 +512,8 @@ impl McpTool {
                     "the connection to the MCP server was lost during the call",
                 )
             }
-            other => ToolError::new(self.maybe_applied(), bounded(&other.to_string())),
+            other => ToolError::new(self.maybe_applied(), other.to_string()),
         }
-    }
-}
-
-fn bounded(s: &str) -> String {
-    match s.char_indices().nth(MAX_ERROR_TEXT_CHARS) {
-        Some((cut, _)) => format!("{}…", &s[..cut]),
-        None => s.to_owned(),
     }
 }
 
@@ -567,11 +558,13 @@ impl Tool for McpTool {
         }
         let timeout = self.spec.timeout;
         // Dropping the call future (timeout or cancel) sends `notifications/cancelled`.
+        // Biased: a call cancelled before it starts is never sent.
         let outcome = tokio::select! {
-            r = tokio::time::timeout(timeout, peer.call_tool(params)) => r,
+            biased;
             () = ctx.cancel.cancelled() => {
                 return Err(ToolError::new(self.maybe_applied(), "the call was cancelled before the tool answered"));
             }
+            r = tokio::time::timeout(timeout, peer.call_tool(params)) => r,
         };
         let result = match outcome {
             Err(_) => {
@@ -588,7 +581,7 @@ impl Tool for McpTool {
                 Value::String(s) => s,
                 other => other.to_string(),
             };
-            return Err(ToolError::new(ToolErrorCode::Failed, bounded(&text)));
+            return Err(ToolError::new(ToolErrorCode::Failed, text));
         }
         Ok(result_value(&result))
     }

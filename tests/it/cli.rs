@@ -288,3 +288,36 @@ async fn follow_wait_prints_the_hints_while_it_waits() {
     assert!(rest.contains("succeeded"), "{rest}");
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_ends_the_cli_quietly_with_its_exit_code() {
+    use tokio::io::AsyncBufReadExt as _;
+    let d = TestDaemon::start().await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
+        .env_remove("AGENTD_URL")
+        .env_remove("AGENTD_TOKEN")
+        .args(["--url", &d.base(), "--token", ALPHA])
+        .args(["run", "slow", "echo three times", "--follow"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Like `| head -1`: read one line, then close the pipe while the run still has events.
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next_line().await.unwrap().unwrap();
+    assert!(first.starts_with("run run_"), "{first}");
+    drop(lines);
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("the CLI did not end after its stdout closed")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(agentd::cli::EXIT_CLOSED_OUTPUT),
+        "{stderr}"
+    );
+    assert!(stderr.trim().is_empty(), "not quiet: {stderr}");
+    d.stop().await;
+}

@@ -271,6 +271,8 @@ pub enum ToolBehavior {
     Hang,
     /// Apply and answer `200` with a JSON string of this many bytes.
     ApplyLarge(usize),
+    /// Apply and answer `200` with this body (as given: JSON or not).
+    ApplyWith(String),
 }
 
 /// One request the tool server received.
@@ -583,6 +585,14 @@ async fn serve_call(
         ToolBehavior::ApplyLarge(n) => {
             state.apply(&key, &body);
             axum::Json(Value::String("z".repeat(n))).into_response()
+        }
+        ToolBehavior::ApplyWith(answer) => {
+            state.apply(&key, &body);
+            Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(Body::from(answer))
+                .unwrap()
         }
     }
 }

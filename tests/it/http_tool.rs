@@ -96,8 +96,16 @@ async fn client_errors_fail_with_the_server_message_and_refusals_are_retryable()
         errors.push(err);
     }
     assert_eq!(errors[0].message, "HTTP 400: service \"x\" does not exist");
+    // The tool passes the message on whole (bounded by its 16 KiB error-body read); the
+    // executor redacts it, then cuts it.
     assert!(
-        errors[4].message.chars().count() < 400,
+        errors[4].message.len() <= 16 * 1024 + 16,
+        "bounded by the read"
+    );
+    let sent = agentd::tool::ToolResult::failure(errors[4].clone())
+        .sanitized(&agentd::redact::Redactor::new(), 1024);
+    assert!(
+        sent.error.unwrap().message.chars().count() <= agentd::tool::MAX_ERROR_MESSAGE_CHARS + 1,
         "message must be bounded"
     );
     assert_eq!(server.total_executions(), 0);

@@ -23,6 +23,9 @@ mod durability;
 mod e2e;
 /// Fake OpenAI-compatible server and recording HTTP tool server.
 mod fakes;
+/// Hostile inputs: oversized outputs with secrets, calls cancelled while queued, bodies that
+/// are not objects, slow clients.
+mod hardening;
 /// HTTP tools against the recording tool server.
 mod http_tool;
 /// The tenant-isolation matrix, generated from `api::ROUTES`.

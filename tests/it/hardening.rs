@@ -1,0 +1,383 @@
+//! Hostile inputs through the daemon: an oversized tool output carrying a secret and a
+//! `"password"`, calls cancelled while queued, bodies that are not JSON objects, and clients
+//! that read or write slowly.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use agentd::config::Config;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::daemon_support::{ALPHA, TestDaemon, assert_error};
+use crate::fakes::{FakeOpenAi, Scripted, ToolBehavior, ToolServer};
+
+/// A configured secret (`[secrets] values`).
+const CANARY: &str = "canary-hardening-5a6b7c8d9e";
+/// The value of a `"db_password"` field: no configured secret, only the key says it is one.
+const PASSWORD: &str = "pw-value-0f1e2d3c4b5a";
+/// A leak is any run of this many bytes of a secret.
+const LEAK_WINDOW: usize = 8;
+
+/// The first piece (of [`LEAK_WINDOW`] bytes) of `secret` found in `text`.
+fn leaked<'a>(text: &str, secret: &'a str) -> Option<&'a str> {
+    (0..=secret.len() - LEAK_WINDOW)
+        .map(|i| &secret[i..i + LEAK_WINDOW])
+        .find(|piece| text.contains(piece))
+}
+
+fn oversized_config(model: &FakeOpenAi, tools: &ToolServer, data: &std::path::Path) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_timeout = "5s"
+
+[store]
+url = "file:{data}"
+
+[[tenants]]
+id = "alpha"
+tokens = ["{ALPHA}"]
+
+[runtime]
+model_timeout = "5s"
+
+[secrets]
+values = ["{CANARY}"]
+
+[models.fake]
+kind = "openai"
+base_url = "{model_url}"
+model = "fake-model"
+timeout = "2s"
+
+[tools.dump]
+kind = "http"
+url = "{tool_url}"
+description = "Dump a table"
+parameters = {{ type = "object" }}
+effect = "read"
+timeout = "2s"
+
+[agents.dumper]
+model = "fake"
+tools = ["dump"]
+max_turns = 4
+"#,
+        data = data.display(),
+        model_url = model.url(),
+        tool_url = tools.tool_url(),
+    )
+}
+
+/// A 70 KiB output: `{"db_password": …, "zfiller": "…"}` with the canary placed where the
+/// 64 KiB cap cuts the serialized output (a JSON string, so its quotes are escaped).
+fn oversized_output() -> String {
+    let prefix = format!(r#"{{"db_password":"{PASSWORD}","zfiller":""#);
+    // Serialized as a JSON string: one opening quote plus one backslash per quote before.
+    let shift = 1 + prefix.matches('"').count();
+    let cap = 64 * 1024;
+    let canary_at = cap - shift - CANARY.len() / 2;
+    let mut body = prefix.clone();
+    body.push_str(&"z".repeat(canary_at - prefix.len()));
+    body.push_str(CANARY);
+    body.push_str(&"z".repeat(70 * 1024 - body.len() - 2));
+    body.push_str(r#""}"#);
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_output_leaks_neither_a_secret_nor_a_password_anywhere() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    let output = oversized_output();
+    assert_eq!(output.len(), 70 * 1024);
+    assert!(serde_json::from_str::<Value>(&output).is_ok());
+    // The error text puts the canary where the old 300- and 500-character cuts fell.
+    let refusal = format!(
+        "{}{CANARY} {}{CANARY} tail",
+        "e".repeat(296),
+        "f".repeat(180)
+    );
+    model
+        .push(Scripted::tool_calls(&[("c1", "dump", "{}")]))
+        .push(Scripted::tool_calls(&[("c2", "dump", "{}")]))
+        .push(Scripted::text("done"));
+    tools
+        .push(ToolBehavior::ApplyWith(output))
+        .push(ToolBehavior::Refuse(400, refusal));
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let config = dir.path().join("agentd.toml");
+    let log = dir.path().join("agentd.log");
+    std::fs::write(&config, oversized_config(&model, &tools, &data)).unwrap();
+    let daemon = crate::chaos_support::ChildDaemon::spawn_with(
+        &config,
+        &log,
+        &["--log-format", "json"],
+        "trace,hyper=info,h2=info,reqwest=info,tower=info",
+    )
+    .await;
+    daemon.wait_ready(Duration::from_secs(20)).await;
+    let base = daemon.base.clone();
+    let http = &daemon.http;
+    let get = |path: String| {
+        let url = format!("{base}{path}");
+        async move {
+            let res = http.get(url).bearer_auth(ALPHA).send().await.unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+            res.text().await.unwrap()
+        }
+    };
+    let created = http
+        .post(format!("{base}/v1/runs"))
+        .bearer_auth(ALPHA)
+        .json(&json!({"agent": "dumper", "input": "dump the users table"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let mut sinks = vec![("api", created.text().await.unwrap())];
+    let id = serde_json::from_str::<Value>(&sinks[0].1).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let body = get(format!("/v1/runs/{id}")).await;
+        let v: Value = serde_json::from_str(&body).unwrap();
+        if v["status"] == "succeeded" {
+            sinks.push(("api", body));
+            break;
+        }
+        assert!(v["status"] != "failed", "{v}");
+        assert!(Instant::now() < deadline, "run stuck: {v}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sinks.push(("api", get(format!("/v1/runs/{id}/events")).await));
+    sinks.push(("api", get("/v1/runs".to_owned()).await));
+    daemon.kill9();
+    sinks.push(("logs", std::fs::read_to_string(&log).unwrap()));
+    let store = agentd::store::open(&format!("file:{}", data.display()))
+        .await
+        .unwrap();
+    let run_id: agentd::ids::RunId = id.parse().unwrap();
+    let checkpoint = store.load(&run_id).await.unwrap().unwrap();
+    sinks.push(("checkpoint", checkpoint.body.clone()));
+    let events = store.read(&run_id, 0, 1000).await.unwrap();
+    sinks.push(("events", serde_json::to_string(&events).unwrap()));
+    let requests = model.requests();
+    assert_eq!(requests.len(), 3);
+    for r in &requests {
+        sinks.push(("model request", r.body.to_string()));
+    }
+
+    // Checkpoint, events, model requests, API answers, logs: not a piece of either.
+    for (sink, text) in &sinks {
+        for secret in [CANARY, PASSWORD] {
+            if let Some(piece) = leaked(text, secret) {
+                let at = text.find(piece).unwrap();
+                let around = text
+                    .get(at.saturating_sub(60)..(at + 60).min(text.len()))
+                    .unwrap_or(piece);
+                panic!("{piece:?} of {secret} leaked into the {sink}: …{around}…");
+            }
+        }
+    }
+
+    // The output was really cut, and redacted before it was cut.
+    let events_text = &sinks.iter().find(|(s, _)| *s == "events").unwrap().1;
+    assert!(
+        events_text.contains(r#""truncated":true"#),
+        "output not cut"
+    );
+    assert!(
+        checkpoint.body.contains("zzzz[redacted]zzzz"),
+        "the canary was not there"
+    );
+    let at = checkpoint.body.find("db_password").unwrap();
+    let after = &checkpoint.body[at..at + 60];
+    assert!(after.contains("[redacted]"), "{after}");
+    let error_message = requests[2].body.to_string();
+    assert!(error_message.contains("HTTP 400"), "refusal not seen");
+}
+
+/// Blocker and victim tools on two servers, one tool worker: every victim call queues behind
+/// the blocker's hanging call. Victims call either the unsafe HTTP tool `charge_card` or the
+/// native `charge` (after its approval), which ignores its cancel token: only the executor's
+/// own check keeps it from running.
+fn queue_config(blocker: &ToolServer, victim: &ToolServer) -> Config {
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_timeout = "5s"
+
+[store]
+url = "memory:"
+
+[[tenants]]
+id = "alpha"
+tokens = ["{ALPHA}"]
+
+[runtime]
+tool_workers = 1
+tool_queue = 4096
+
+[models.block]
+kind = "scripted"
+replies = [ {{ tool_calls = [ {{ name = "block", arguments = {{}} }} ] }}, {{ text = "released" }} ]
+
+[models.charge]
+kind = "scripted"
+replies = [ {{ tool_calls = [ {{ name = "charge_card", arguments = {{}} }} ] }}, {{ text = "charged" }} ]
+
+[models.charge_native]
+kind = "scripted"
+replies = [ {{ tool_calls = [ {{ name = "charge", arguments = {{ item = "x" }} }} ] }}, {{ text = "charged" }} ]
+
+[models.probe]
+kind = "scripted"
+replies = [ {{ tool_calls = [ {{ name = "probe", arguments = {{}} }} ] }}, {{ text = "probed" }} ]
+
+[tools.block]
+kind = "http"
+url = "{blocker_url}"
+parameters = {{ type = "object" }}
+effect = "read"
+timeout = "60s"
+
+[tools.charge_card]
+kind = "http"
+url = "{victim_url}"
+parameters = {{ type = "object" }}
+effect = "unsafe"
+timeout = "60s"
+
+[tools.probe]
+kind = "http"
+url = "{probe_url}"
+parameters = {{ type = "object" }}
+effect = "read"
+
+[agents.blocker]
+model = "block"
+tools = ["block"]
+
+[agents.victim]
+model = "charge"
+tools = ["charge_card"]
+
+[agents.native_victim]
+model = "charge_native"
+tools = ["charge"]
+
+[agents.probe]
+model = "probe"
+tools = ["probe"]
+"#,
+        blocker_url = blocker.tool_url(),
+        victim_url = victim.tool_url(),
+        probe_url = victim.honouring_url(),
+    );
+    Config::from_toml(&text).unwrap()
+}
+
+async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cancelled_while_queued_never_reaches_the_tool_over_a_thousand_trials() {
+    const BATCHES: usize = 20;
+    const PER_BATCH: usize = 50;
+    let blocker = ToolServer::start().await;
+    let victim = ToolServer::start().await;
+    let d = TestDaemon::start_config(queue_config(&blocker, &victim)).await;
+    let mut cancelled = HashSet::new();
+    for batch in 0..BATCHES {
+        blocker.push(ToolBehavior::Hang);
+        let block = d.create(ALPHA, "blocker").await;
+        let want = batch + 1;
+        wait_until("the blocker's call", async || {
+            blocker.requests().len() == want
+        })
+        .await;
+        let mut victims = Vec::new();
+        for i in 0..PER_BATCH {
+            let native = i % 2 == 1;
+            let id = d
+                .create(ALPHA, if native { "native_victim" } else { "victim" })
+                .await;
+            if native {
+                let v = d.wait_status(ALPHA, &id, "waiting_approval").await;
+                let call = v["pending_approvals"][0]["call_id"].as_str().unwrap();
+                let (s, v) = d
+                    .post(
+                        &format!("/v1/runs/{id}/approvals/{call}"),
+                        ALPHA,
+                        json!({"decision": "approve"}),
+                    )
+                    .await;
+                assert_eq!(s, StatusCode::OK, "{v}");
+            }
+            victims.push(id);
+        }
+        for id in &victims {
+            d.wait_run(ALPHA, id, |v| v["phase"] == "executing_tools")
+                .await;
+            let (s, v) = d
+                .post(&format!("/v1/runs/{id}/cancel"), ALPHA, json!({}))
+                .await;
+            assert_eq!(s, StatusCode::OK, "{v}");
+            assert_eq!(v["status"], "cancelled", "{v}");
+            cancelled.insert(id.clone());
+        }
+        let (s, v) = d
+            .post(&format!("/v1/runs/{block}/cancel"), ALPHA, json!({}))
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        // The probe queues behind every cancelled call: once it arrives, they all had their turn.
+        let probe = d.create(ALPHA, "probe").await;
+        d.wait_status(ALPHA, &probe, "succeeded").await;
+    }
+    assert_eq!(cancelled.len(), BATCHES * PER_BATCH);
+    let reached: Vec<String> = victim
+        .requests()
+        .iter()
+        .filter_map(|r| r.body["run_id"].as_str().map(str::to_owned))
+        .filter(|run| cancelled.contains(run))
+        .collect();
+    assert_eq!(victim.requests().len(), BATCHES, "only the probes arrived");
+    assert!(
+        reached.is_empty() && d.ledger.total() == 0,
+        "of {} cancelled calls, {} reached the HTTP tool and {} the native one",
+        cancelled.len(),
+        reached.len(),
+        d.ledger.total()
+    );
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn bodies_that_are_not_json_objects_are_refused() {
+    let d = TestDaemon::start().await;
+    let (s, v) = d.post("/v1/runs", ALPHA, json!(["quick", "x"])).await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request");
+    let (s, v) = d.get("/v1/runs", ALPHA).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["runs"], json!([]), "no run was created");
+    let id = d.create(ALPHA, "hang").await;
+    for body in [json!([]), json!("stop"), json!(null)] {
+        let (s, v) = d.post(&format!("/v1/runs/{id}/cancel"), ALPHA, body).await;
+        assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request");
+    }
+    let (_, v) = d.get(&format!("/v1/runs/{id}"), ALPHA).await;
+    assert_eq!(v["status"], "running", "{v}");
+    d.stop().await;
+}
