@@ -190,7 +190,7 @@ fn validation_names_the_key() {
             .starts_with("tools.restart_service.url:")
     );
     let mut c = Config::from_toml(MINIMAL).unwrap();
-    c.tenants[0].tokens = vec![Secret("short".into())];
+    c.tenants[0].tokens = vec![Secret("short".into()).into()];
     assert!(
         c.validate()
             .unwrap_err()
@@ -229,12 +229,13 @@ fn secrets_are_redacted_and_resolved() {
     let mut c = Config::from_toml(MINIMAL).unwrap();
     c.tenants[0]
         .tokens
-        .push(Secret("env:AGENTD_TEST_NEVER_SET_X".into()));
+        .push(Secret("env:AGENTD_TEST_NEVER_SET_X".into()).into());
     let text = c.to_redacted_toml().unwrap();
     assert!(!text.contains("a-long-random-token"), "{text}");
     assert!(text.contains("env:AGENTD_TEST_NEVER_SET_X"));
     assert!(!format!("{c:?}").contains("a-long-random-token"));
     let err = c.tenants[0].tokens[1]
+        .secret()
         .resolve("tenants[0].tokens[1]")
         .unwrap_err();
     assert!(err.to_string().contains("AGENTD_TEST_NEVER_SET_X"));

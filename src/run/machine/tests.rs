@@ -561,6 +561,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: Some(json!({"text": "b"})),
+            by: None,
         },
     );
     assert_eq!(t.kind, "call_approved");
@@ -575,6 +576,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: Some(json!({"text": 1})),
+            by: None,
         },
         &cx(10),
     );
@@ -584,6 +586,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Approve {
             call_id: "call_9_9".parse().unwrap(),
             arguments: None,
+            by: None,
         },
         &cx(10),
     );
@@ -593,6 +596,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Reject {
             call_id: "call_1_0".parse().unwrap(),
             reason: Some("no".into()),
+            by: None,
         },
     );
     assert_eq!(t.kind, "call_rejected");
@@ -636,6 +640,7 @@ fn an_expired_approval_takes_the_tools_default_decision() {
         RunEvent::Approve {
             call_id: c1,
             arguments: None,
+            by: None,
         },
         &cx(10),
     );
@@ -813,6 +818,7 @@ fn terminal_runs_record_late_results_and_reject_everything_else() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: None,
+            by: None,
         },
         RunEvent::Abort {
             code: "x".into(),
@@ -833,10 +839,12 @@ fn controls_that_do_not_fit_are_errors() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: None,
+            by: None,
         },
         RunEvent::Reject {
             call_id: "call_1_0".parse().unwrap(),
             reason: None,
+            by: None,
         },
     ] {
         assert_eq!(step(&mut s, e, &cx(10)).unwrap_err().code, "invalid_state");
@@ -848,7 +856,8 @@ fn controls_that_do_not_fit_are_errors() {
             &mut s,
             RunEvent::Approve {
                 call_id: "call_1_0".parse().unwrap(),
-                arguments: None
+                arguments: None,
+                by: None,
             },
             &cx(10)
         )
@@ -946,11 +955,13 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
         Just(RunEvent::Cancel { reason: None }),
         call.clone().prop_map(|call_id| RunEvent::Approve {
             call_id,
-            arguments: None
+            arguments: None,
+            by: None,
         }),
         call.prop_map(|call_id| RunEvent::Reject {
             call_id,
-            reason: None
+            reason: None,
+            by: None,
         }),
         Just(RunEvent::Input { text: "hi".into() }),
         Just(RunEvent::DeadlineReached),
