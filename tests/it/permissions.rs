@@ -113,9 +113,10 @@ fn route_rule(method: &str, path: &str) -> (Need, Vec<Option<Value>>) {
             Need::Any,
             vec![Some(json!({"agent": "hang", "input": "x"}))],
         ),
-        ("GET", "/v1/runs" | "/v1/runs/{id}" | "/v1/runs/{id}/events" | "/v1/agents") => {
-            (Need::Any, vec![None])
-        }
+        (
+            "GET",
+            "/v1/runs" | "/v1/runs/{id}" | "/v1/runs/{id}/events" | "/v1/agents" | "/v1/approvals",
+        ) => (Need::Any, vec![None]),
         ("POST", "/v1/runs/{id}/cancel") => (Need::Any, vec![Some(json!({}))]),
         ("POST", "/v1/runs/{id}/input") => (Need::Any, vec![Some(json!({"text": "hi"}))]),
         ("POST", "/v1/runs/{id}/approvals/{call_id}") => (
