@@ -235,9 +235,11 @@ async fn count_requests(State(s): State<AppState>, req: Request, next: Next) -> 
 
 async fn require_tenant(State(s): State<AppState>, mut req: Request, next: Next) -> Response {
     match s.auth.authenticate(req.headers()) {
-        Some(tenant) => {
-            tracing::Span::current().record("tenant", tenant.as_ref());
-            req.extensions_mut().insert(Tenant(tenant));
+        Some(principal) => {
+            tracing::Span::current().record("tenant", principal.tenant.as_ref());
+            req.extensions_mut()
+                .insert(Tenant(principal.tenant.clone()));
+            req.extensions_mut().insert(principal);
             next.run(req).await
         }
         None => ApiError::unauthenticated().into_response(),

@@ -242,6 +242,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
                 client_key: None,
                 budget: Default::default(),
                 metadata: Value::Null,
+                scopes: None,
             })
             .await
             .map_err(|e| format!("create run {i}: {e}"))?;

@@ -166,7 +166,70 @@ impl Secret {
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
     pub id: String,
-    pub tokens: Vec<Secret>,
+    /// The agents this tenant may see and run; `None`: every agent. Another agent is
+    /// `unknown_agent` to it, exactly like a missing one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agents: Option<Vec<String>>,
+    pub tokens: Vec<TokenConfig>,
+}
+
+/// One tenant token: a plain string (every scope, no name), or a table with a `name` (recorded
+/// as who approved or rejected a call) and optional `scopes` (absent: every scope).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenConfig {
+    Plain(Secret),
+    Named(NamedToken),
+}
+
+/// `{ name = "ci-bot", token = "env:CI_TOKEN", scopes = ["deploy:staging"] }`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedToken {
+    pub name: String,
+    pub token: Secret,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scopes: Option<Vec<String>>,
+}
+
+impl TokenConfig {
+    pub fn secret(&self) -> &Secret {
+        match self {
+            TokenConfig::Plain(s) => s,
+            TokenConfig::Named(n) => &n.token,
+        }
+    }
+
+    pub fn name(&self) -> Option<&str> {
+        match self {
+            TokenConfig::Plain(_) => None,
+            TokenConfig::Named(n) => Some(&n.name),
+        }
+    }
+
+    /// `None`: every scope.
+    pub fn scopes(&self) -> Option<&[String]> {
+        match self {
+            TokenConfig::Plain(_) => None,
+            TokenConfig::Named(n) => n.scopes.as_deref(),
+        }
+    }
+
+    fn redacted(&self) -> TokenConfig {
+        match self {
+            TokenConfig::Plain(s) => TokenConfig::Plain(s.redacted()),
+            TokenConfig::Named(n) => TokenConfig::Named(NamedToken {
+                token: n.token.redacted(),
+                ..n.clone()
+            }),
+        }
+    }
+}
+
+impl From<Secret> for TokenConfig {
+    fn from(s: Secret) -> Self {
+        TokenConfig::Plain(s)
+    }
 }
 
 /// `kind` of a model.
@@ -321,6 +384,21 @@ pub struct ToolConfig {
     /// builtin: which built-in tool ("echo", "add", "counting").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub builtin: Option<String>,
+    /// Scopes a run must hold to call the tool (see `run::guard`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub permissions: Vec<String>,
+    /// "refuse" (answer the model `permission_denied`) | "stop" (fail the run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_permission_denied: Option<crate::run::guard::OnPermissionDenied>,
+    /// Argument values refused before approval and execution.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny: Vec<crate::run::guard::DenyRule>,
+    /// Path arguments confined to a root.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<crate::run::guard::PathRule>,
+    /// JSON Pointers of the result parts the model sees (default: all of it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub project: Vec<String>,
 }
 
 impl ToolConfig {
@@ -347,6 +425,22 @@ impl ToolConfig {
             effects: BTreeMap::new(),
             startup_timeout: None,
             builtin: Some(which.into()),
+            permissions: Vec::new(),
+            on_permission_denied: None,
+            deny: Vec::new(),
+            paths: Vec::new(),
+            project: Vec::new(),
+        }
+    }
+
+    /// The guard keys of this tool, to build its `run::guard::Guard` from.
+    pub fn guard_config(&self) -> crate::run::guard::GuardConfig {
+        crate::run::guard::GuardConfig {
+            permissions: self.permissions.clone(),
+            on_permission_denied: self.on_permission_denied.unwrap_or_default(),
+            deny: self.deny.clone(),
+            paths: self.paths.clone(),
+            project: self.project.clone(),
         }
     }
 }
@@ -664,7 +758,8 @@ impl Config {
         let mut c = Config::default();
         c.tenants.push(TenantConfig {
             id: "dev".into(),
-            tokens: vec![Secret("env:AGENTD_TOKEN".into())],
+            agents: None,
+            tokens: vec![Secret("env:AGENTD_TOKEN".into()).into()],
         });
         let mut demo = ModelConfig::scripted(vec![
             CassetteReply {
@@ -754,6 +849,7 @@ impl Config {
         // Token value → the tenant it belongs to. `env:` tokens are checked by their value
         // when the variable is set (start-up refuses an unset one when it resolves them).
         let mut tokens: HashMap<String, &str> = HashMap::new();
+        let mut token_names = HashSet::new();
         for (i, t) in self.tenants.iter().enumerate() {
             if !valid_name(&t.id) {
                 return Err(invalid(
@@ -773,31 +869,66 @@ impl Config {
                     "at least one token is required",
                 ));
             }
-            for (j, tok) in t.tokens.iter().enumerate() {
+            for (j, entry) in t.tokens.iter().enumerate() {
                 let key = format!("tenants[{i}].tokens[{j}]");
-                let (value, source) = match tok.env_name() {
-                    Some(name) => match tok.resolve(&key) {
-                        Ok(v) => (v, format!(" (the value of {name})")),
-                        Err(_) => continue,
-                    },
-                    None => (tok.0.clone(), String::new()),
+                let tok = entry.secret();
+                let resolved = match tok.env_name() {
+                    Some(name) => tok
+                        .resolve(&key)
+                        .ok()
+                        .map(|v| (v, format!(" (the value of {name})"))),
+                    None => Some((tok.0.clone(), String::new())),
                 };
-                if value.chars().count() < 16 {
-                    return Err(invalid(
-                        key,
-                        format!("a token{source} must be at least 16 characters"),
-                    ));
+                if let Some((value, source)) = resolved {
+                    if value.chars().count() < 16 {
+                        return Err(invalid(
+                            key,
+                            format!("a token{source} must be at least 16 characters"),
+                        ));
+                    }
+                    if let Some(owner) = tokens.insert(value, &t.id) {
+                        let message = if owner == t.id {
+                            format!("the same token{source} is configured twice")
+                        } else {
+                            format!(
+                                "the same token{source} is configured for tenants {owner:?} and {:?}",
+                                t.id
+                            )
+                        };
+                        return Err(invalid(key, message));
+                    }
                 }
-                if let Some(owner) = tokens.insert(value, &t.id) {
-                    let message = if owner == t.id {
-                        format!("the same token{source} is configured twice")
-                    } else {
-                        format!(
-                            "the same token{source} is configured for tenants {owner:?} and {:?}",
-                            t.id
-                        )
-                    };
-                    return Err(invalid(key, message));
+                if let Some(name) = entry.name() {
+                    if !valid_name(name) {
+                        return Err(invalid(
+                            format!("{key}.name"),
+                            format!("{name:?} must match ^[a-zA-Z0-9_-]{{1,64}}$"),
+                        ));
+                    }
+                    if !token_names.insert((t.id.as_str(), name)) {
+                        return Err(invalid(
+                            format!("{key}.name"),
+                            format!("tenant {:?} has two tokens named {name:?}", t.id),
+                        ));
+                    }
+                }
+                for (k, scope) in entry.scopes().unwrap_or_default().iter().enumerate() {
+                    if !crate::run::guard::valid_scope(scope) {
+                        return Err(invalid(
+                            format!("{key}.scopes[{k}]"),
+                            format!(
+                                "{scope:?} must be 1 to 128 of [a-zA-Z0-9_.:-], not starting or ending with `:`"
+                            ),
+                        ));
+                    }
+                }
+            }
+            for (k, agent) in t.agents.iter().flatten().enumerate() {
+                if !self.agents.contains_key(agent) {
+                    return Err(invalid(
+                        format!("tenants[{i}].agents[{k}]"),
+                        format!("agent {agent:?} is not defined in [agents]"),
+                    ));
                 }
             }
         }
@@ -988,6 +1119,8 @@ impl Config {
                     "must be more than 0s",
                 ));
             }
+            crate::run::guard::Guard::new(&t.guard_config())
+                .map_err(|e| invalid(format!("{key}.{}", e.key), e.message))?;
         }
         for (name, a) in &self.agents {
             let key = format!("agents.{name}");
@@ -1084,7 +1217,7 @@ impl Config {
     pub fn redacted(&self) -> Config {
         let mut c = self.clone();
         for t in &mut c.tenants {
-            t.tokens = t.tokens.iter().map(Secret::redacted).collect();
+            t.tokens = t.tokens.iter().map(TokenConfig::redacted).collect();
         }
         for m in c.models.values_mut() {
             m.api_key = m.api_key.as_ref().map(Secret::redacted);

@@ -68,17 +68,7 @@ pub async fn run_with(
         .map(|t| t.spec().name.clone())
         .collect();
     config.validate_with(&extra)?;
-    let mut tokens = Vec::new();
-    for (i, t) in config.tenants.iter().enumerate() {
-        for (j, tok) in t.tokens.iter().enumerate() {
-            tokens.push((
-                t.id.clone(),
-                tok.resolve(&format!("tenants[{i}].tokens[{j}]"))?,
-            ));
-        }
-    }
-    let auth = Auth::new(tokens.iter().map(|(t, k)| (t.as_str(), k.as_str())));
-    drop(tokens);
+    let auth = Auth::from_tenants(&config.tenants)?;
     let store = open_store(&config.store.url).await?;
     let built = build_parts(&config, store, embedded.tools).await?;
     // Log lines written through `redact::RedactingWriter` are scrubbed of every configured

@@ -66,7 +66,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.config.is_none() && std::env::var("AGENTD_TOKEN").is_err() {
         let token = format!("agentd_dev_{}", hex::encode(rand::random::<[u8; 24]>()));
         if let Some(t) = config.tenants.iter_mut().find(|t| t.id == "dev") {
-            t.tokens = vec![Secret(token.clone())];
+            t.tokens = vec![Secret(token.clone()).into()];
         }
         eprintln!(
             "agentd: dev tenant token (set AGENTD_TOKEN to choose one):\n  export AGENTD_TOKEN={token}"

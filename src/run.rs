@@ -1,8 +1,9 @@
-//! One run's lifecycle as pure functions: `state`, `machine`, `decision`, `budget`, `progress`,
-//! `verify`. Nothing under `run/` does I/O; the actors that carry out effects live in `runtime/`.
+//! One run's lifecycle as pure functions: `state`, `machine`, `decision`, `guard`, `budget`,
+//! `progress`, `verify`. Nothing under `run/` does I/O; the actors that carry out effects live in `runtime/`.
 
 pub mod budget;
 pub mod decision;
+pub mod guard;
 pub mod machine;
 pub mod progress;
 pub mod state;

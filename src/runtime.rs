@@ -208,6 +208,8 @@ pub struct NewRun {
     pub client_key: Option<String>,
     pub budget: BudgetRequest,
     pub metadata: Value,
+    /// The scopes of the creating token, kept with the run; `None`: every scope.
+    pub scopes: Option<Vec<String>>,
 }
 
 /// Most runs in `waiting_approval` one [`RuntimeHandle::awaiting_calls`] reads.
@@ -535,6 +537,7 @@ impl RuntimeHandle {
         );
         run.metadata = req.metadata.clone();
         run.agent_digest = Some(agent.digest.clone());
+        run.scopes = req.scopes.clone();
         run.messages.push(Message::User {
             content: input_text,
         });
@@ -856,7 +859,9 @@ impl RuntimeHandle {
     }
 
     /// Approves (optionally with edited arguments) or rejects one pending call, once. Repeating
-    /// the same decision answers the same; the opposite decision is a conflict.
+    /// the same decision answers the same; the opposite decision is a conflict. `by` (the
+    /// deciding token's configured name) goes into the decision's event.
+    #[allow(clippy::too_many_arguments)]
     pub async fn decide(
         &self,
         tenant: &str,
@@ -865,6 +870,7 @@ impl RuntimeHandle {
         approve: bool,
         arguments: Option<Value>,
         reason: Option<String>,
+        by: Option<String>,
     ) -> Result<RunState, Error> {
         let run = self.get_run(tenant, id).await?;
         if let Some((_, approved)) = run.decided.iter().find(|(c, _)| c == call_id) {
@@ -902,11 +908,13 @@ impl RuntimeHandle {
             Control::Approve {
                 call_id: call_id.clone(),
                 arguments,
+                by,
             }
         } else {
             Control::Reject {
                 call_id: call_id.clone(),
                 reason,
+                by,
             }
         };
         self.control(tenant, id, control).await

@@ -72,11 +72,16 @@ pub enum Control {
         /// Edited arguments; validated again before use.
         #[serde(default)]
         arguments: Option<Value>,
+        /// The configured name of the token that decided (never the token).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
     Reject {
         call_id: CallId,
         #[serde(default)]
         reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
     Input {
         text: String,

@@ -12,6 +12,7 @@ pub mod http;
 pub mod mcp;
 pub mod registry;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -20,6 +21,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::ids::{CallId, RunId};
+use crate::run::guard::Guard;
 
 /// Longest error message of a tool result, in characters (cut after redaction).
 pub const MAX_ERROR_MESSAGE_CHARS: usize = 500;
@@ -117,6 +119,9 @@ pub struct ToolSpec {
     pub polling: bool,
     /// The tool can answer "did the call with this key run?" (see `Tool::status`).
     pub reconcilable: bool,
+    /// Permissions, argument deny and path rules, and result projection (`run::guard`),
+    /// checked by the runtime before approval and execution.
+    pub guard: Arc<Guard>,
 }
 
 impl ToolSpec {
@@ -136,6 +141,7 @@ impl ToolSpec {
             max_output_bytes: 64 * 1024,
             polling: false,
             reconcilable: false,
+            guard: Arc::new(Guard::default()),
         }
     }
 
@@ -175,11 +181,19 @@ impl ToolSpec {
         self.polling = polling;
         self
     }
+
+    pub fn guard(mut self, guard: Guard) -> Self {
+        self.guard = Arc::new(guard);
+        self
+    }
 }
 
 /// Everything a tool gets besides its arguments.
 #[derive(Debug, Clone)]
 pub struct ToolContext {
+    /// The tenant the call acts for (sent to HTTP tools as `X-Agentd-Tenant`, to MCP servers in
+    /// the request's `_meta`).
+    pub tenant: String,
     pub run_id: RunId,
     pub call_id: CallId,
     /// Server-derived; identical on every attempt of this logical call.
@@ -210,6 +224,10 @@ pub enum ToolErrorCode {
     ApprovalDenied,
     /// The tool pool was full; the call was not started.
     Overloaded,
+    /// The run does not hold a scope the tool needs; the call was not started.
+    PermissionDenied,
+    /// An argument value is refused by the tool's deny or path rules; the call was not started.
+    ArgumentDenied,
 }
 
 impl ToolErrorCode {
@@ -224,6 +242,8 @@ impl ToolErrorCode {
             ToolErrorCode::ToolNotAllowed => "tool_not_allowed",
             ToolErrorCode::ApprovalDenied => "approval_denied",
             ToolErrorCode::Overloaded => "overloaded",
+            ToolErrorCode::PermissionDenied => "permission_denied",
+            ToolErrorCode::ArgumentDenied => "argument_denied",
         }
     }
 }

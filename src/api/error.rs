@@ -6,6 +6,7 @@
 //! | `invalid_json` | 400 | the body is not JSON (the message gives line and column) |
 //! | `invalid_query` | 400 | a query parameter or `Last-Event-ID` is malformed |
 //! | `unauthenticated` | 401 | missing, malformed or unknown bearer token (`WWW-Authenticate: Bearer`) |
+//! | `forbidden` | 403 | the token has scopes, and none that allows this (approving needs `approve` or `approve:<tool>`) |
 //! | `not_found` | 404 | no such run, call or route — also another tenant's run, and malformed ids |
 //! | `method_not_allowed` | 405 | the route exists, the method does not |
 //! | `request_timeout` | 408 | a non-SSE request took longer than `limits.request_timeout` |

@@ -2,19 +2,30 @@
 
 use std::sync::atomic::Ordering;
 
-use axum::Json;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 
 use super::AppState;
+use super::auth::Principal;
 use super::dto::{AgentDto, AgentListDto, HealthDto};
 use super::error::ApiError;
 
-/// `GET /v1/agents`: every configured agent with its tools (the same for every tenant).
-pub async fn agents(State(s): State<AppState>) -> Json<AgentListDto> {
+/// `GET /v1/agents`: the agents the tenant may use (`[[tenants]] agents`, default all), with
+/// their tools.
+pub async fn agents(
+    State(s): State<AppState>,
+    Extension(principal): Extension<Principal>,
+) -> Json<AgentListDto> {
     Json(AgentListDto {
-        agents: s.runtime.agents().iter().map(AgentDto::from).collect(),
+        agents: s
+            .runtime
+            .agents()
+            .iter()
+            .filter(|a| principal.may_use(&a.name))
+            .map(AgentDto::from)
+            .collect(),
     })
 }
 

@@ -14,7 +14,7 @@ use futures::stream::BoxStream;
 use serde_json::Value;
 
 use super::AppState;
-use super::auth::Tenant;
+use super::auth::{Principal, Tenant};
 use super::dto::{
     CancelRequest, CreateRunRequest, Decision, DecisionRequest, EventDto, EventListDto,
     EventsQuery, InputRequest, ListQuery, RunDto, RunListDto,
@@ -23,9 +23,12 @@ use super::error::ApiError;
 use super::extract::{CallPath, JsonBody, OptionalJsonBody, Query, RunPath};
 use crate::ids::check_id_charset;
 use crate::run::Status;
-use crate::runtime::{BudgetRequest, NewRun};
+use crate::runtime::{BudgetRequest, Error as RuntimeError, NewRun};
 use crate::store::{EventRecord, RunFilter};
 
+/// The scope that lets a token with scopes approve or reject calls (`approve:<tool>` for one
+/// tool's calls only).
+pub const APPROVE_SCOPE: &str = "approve";
 /// Longest client idempotency key (as Stripe).
 const MAX_IDEMPOTENCY_KEY: usize = 255;
 /// Longest cancel/reject reason kept.
@@ -106,8 +109,13 @@ fn budget_of(
 pub async fn create(
     State(s): State<AppState>,
     Extension(Tenant(tenant)): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
     JsonBody(req): JsonBody<CreateRunRequest>,
 ) -> Result<Response, ApiError> {
+    // Another tenant's agent answers exactly like a missing one.
+    if !principal.may_use(&req.agent) {
+        return Err(RuntimeError::UnknownAgent(req.agent).into());
+    }
     if let Some(k) = &req.idempotency_key
         && (k.is_empty()
             || k.len() > MAX_IDEMPOTENCY_KEY
@@ -142,6 +150,7 @@ pub async fn create(
             client_key: req.idempotency_key.clone(),
             budget,
             metadata: req.metadata.unwrap_or(Value::Null),
+            scopes: principal.scopes.as_deref().map(<[String]>::to_vec),
         })
         .await?;
     if !created && (run.agent != req.agent || run.input != req.input) {
@@ -313,6 +322,7 @@ pub async fn cancel(
 pub async fn decide(
     State(s): State<AppState>,
     Extension(Tenant(tenant)): Extension<Tenant>,
+    Extension(principal): Extension<Principal>,
     CallPath(id, call_id): CallPath,
     JsonBody(req): JsonBody<DecisionRequest>,
 ) -> Result<Json<RunDto>, ApiError> {
@@ -323,9 +333,38 @@ pub async fn decide(
             "arguments may only be given with decision \"approve\"",
         ));
     }
+    if principal.scopes.is_some() {
+        // Checked before the control is stored, so a refused decision changes nothing.
+        let run = s.runtime.get_run(&tenant, &id).await?;
+        let needed = match run.call(&call_id) {
+            Some(c) => format!("{APPROVE_SCOPE}:{}", c.tool),
+            None => APPROVE_SCOPE.to_owned(),
+        };
+        if !principal.grants(&needed) {
+            tracing::info!(run_id = %id, call_id = %call_id, "decision refused: the token lacks the approve scope");
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                if needed == APPROVE_SCOPE {
+                    format!("deciding this call needs the scope `{APPROVE_SCOPE}`")
+                } else {
+                    format!("deciding this call needs the scope `{APPROVE_SCOPE}` or `{needed}`")
+                },
+            ));
+        }
+    }
+    let by = principal.name.as_deref().map(str::to_owned);
     let run = s
         .runtime
-        .decide(&tenant, &id, &call_id, approve, req.arguments, req.reason)
+        .decide(
+            &tenant,
+            &id,
+            &call_id,
+            approve,
+            req.arguments,
+            req.reason,
+            by,
+        )
         .await
         .map_err(|e| {
             // A schema violation of edited arguments may quote them: scrub the message.

@@ -78,7 +78,23 @@ fn default_toml_documents_every_key() {
     tool.effects
         .insert("x".into(), crate::tool::ToolEffect::Read);
     tool.startup_timeout = Some(Duration::from_secs(1));
+    tool.permissions = vec!["x".into()];
+    tool.on_permission_denied = Some(crate::run::guard::OnPermissionDenied::Stop);
+    tool.deny = vec![crate::run::guard::DenyRule {
+        pointer: "/x".into(),
+        equals: None,
+        one_of: None,
+        prefix: None,
+        regex: None,
+        max_length: None,
+    }];
+    tool.paths = vec![crate::run::guard::PathRule {
+        pointer: "/x".into(),
+        root: "/x".into(),
+    }];
+    tool.project = vec!["/x".into()];
     c.tools.insert("all".into(), tool);
+    c.tenants[0].agents = Some(vec!["demo".into()]);
     c.secrets.values = vec![Secret("env:X".into())];
     c.secrets.patterns = vec!["x".into()];
     let mut agent = AgentConfig::new("all");
@@ -190,7 +206,7 @@ fn validation_names_the_key() {
             .starts_with("tools.restart_service.url:")
     );
     let mut c = Config::from_toml(MINIMAL).unwrap();
-    c.tenants[0].tokens = vec![Secret("short".into())];
+    c.tenants[0].tokens = vec![Secret("short".into()).into()];
     assert!(
         c.validate()
             .unwrap_err()
@@ -229,12 +245,13 @@ fn secrets_are_redacted_and_resolved() {
     let mut c = Config::from_toml(MINIMAL).unwrap();
     c.tenants[0]
         .tokens
-        .push(Secret("env:AGENTD_TEST_NEVER_SET_X".into()));
+        .push(Secret("env:AGENTD_TEST_NEVER_SET_X".into()).into());
     let text = c.to_redacted_toml().unwrap();
     assert!(!text.contains("a-long-random-token"), "{text}");
     assert!(text.contains("env:AGENTD_TEST_NEVER_SET_X"));
     assert!(!format!("{c:?}").contains("a-long-random-token"));
     let err = c.tenants[0].tokens[1]
+        .secret()
         .resolve("tenants[0].tokens[1]")
         .unwrap_err();
     assert!(err.to_string().contains("AGENTD_TEST_NEVER_SET_X"));
@@ -337,4 +354,132 @@ fn mcp_servers_approval_rules_and_secrets_are_checked() {
             .unwrap()
             .contains("planted-secret-value")
     );
+}
+
+const SCOPED: &str = r#"
+[[tenants]]
+id = "acme"
+agents = ["triage"]
+tokens = ["plain-token-has-every-scope",
+          { name = "ci-bot", token = "env:CI_TOKEN", scopes = ["deploy:staging"] },
+          { name = "ops", token = "ops-token-0123456789abc" }]
+
+[[tenants]]
+id = "other"
+tokens = [{ name = "ci-bot", token = "other-token-0123456789", scopes = [] }]
+
+[models.m]
+kind = "scripted"
+replies = [{ text = "done" }]
+
+[tools.restart_service]
+kind = "builtin"
+builtin = "echo"
+permissions = ["deploy:prod"]
+on_permission_denied = "stop"
+deny = [{ pointer = "/service", one_of = ["prod-db"] }, { pointer = "/note", regex = "(?i)drop", max_length = 100 }]
+paths = [{ pointer = "/file", root = "/srv/data" }]
+project = ["/id", "/items/*/title"]
+
+[agents.triage]
+model = "m"
+tools = ["restart_service"]
+
+[agents.other]
+model = "m"
+"#;
+
+#[test]
+fn scoped_tokens_agent_lists_and_tool_guards_parse_and_validate() {
+    let c = Config::from_toml(SCOPED).unwrap();
+    c.validate().unwrap();
+    let t = &c.tenants[0];
+    assert_eq!(t.agents.as_deref(), Some(&["triage".to_owned()][..]));
+    assert_eq!(t.tokens[0].name(), None);
+    assert_eq!(t.tokens[0].scopes(), None);
+    assert_eq!(t.tokens[1].name(), Some("ci-bot"));
+    assert_eq!(
+        t.tokens[1].scopes(),
+        Some(&["deploy:staging".to_owned()][..])
+    );
+    assert_eq!(
+        t.tokens[2].scopes(),
+        None,
+        "a named token without scopes has every scope"
+    );
+    assert_eq!(c.tenants[1].tokens[0].scopes(), Some(&[][..]));
+    let g = crate::run::guard::Guard::new(&c.tools["restart_service"].guard_config()).unwrap();
+    assert_eq!(g.permissions, ["deploy:prod"]);
+    assert!(g.projects());
+    // Literal named tokens are redacted; `env:` references stay.
+    let text = c.to_redacted_toml().unwrap();
+    assert!(!text.contains("ops-token-0123456789abc"), "{text}");
+    assert!(text.contains("env:CI_TOKEN") && text.contains("ci-bot"));
+}
+
+#[test]
+fn bad_scopes_names_agents_and_guards_name_their_key() {
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            r#"scopes = ["deploy:staging"]"#,
+            r#"scopes = ["bad scope"]"#,
+            "tenants[0].tokens[1].scopes[0]:",
+        ),
+        (
+            r#"name = "ops""#,
+            r#"name = "ci-bot""#,
+            "tenants[0].tokens[2].name:",
+        ),
+        (
+            r#"name = "ops""#,
+            r#"name = "o p s""#,
+            "tenants[0].tokens[2].name:",
+        ),
+        (
+            r#"agents = ["triage"]"#,
+            r#"agents = ["nope"]"#,
+            "tenants[0].agents[0]:",
+        ),
+        (
+            r#"permissions = ["deploy:prod"]"#,
+            r#"permissions = ["deploy:"]"#,
+            "tools.restart_service.permissions[0]:",
+        ),
+        (
+            r#"regex = "(?i)drop""#,
+            r#"regex = "(""#,
+            "tools.restart_service.deny[1].regex:",
+        ),
+        (
+            r#"pointer = "/service""#,
+            r#"pointer = "service""#,
+            "tools.restart_service.deny[0].pointer:",
+        ),
+        (
+            r#"root = "/srv/data""#,
+            r#"root = "/srv/../etc""#,
+            "tools.restart_service.paths[0].root:",
+        ),
+        (
+            r#"project = ["/id", "/items/*/title"]"#,
+            r#"project = ["id"]"#,
+            "tools.restart_service.project[0]:",
+        ),
+    ];
+    for (from, to, key) in cases {
+        let text = SCOPED.replacen(from, to, 1);
+        assert_ne!(text, SCOPED, "{from}");
+        let err = Config::from_toml(&text)
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with(key), "{to}: {err}");
+    }
+    let bad = SCOPED.replacen(
+        r#"on_permission_denied = "stop""#,
+        r#"on_permission_denied = "ignore""#,
+        1,
+    );
+    assert!(Config::from_toml(&bad).is_err());
 }

@@ -9,6 +9,8 @@
 //!   `S__<tool name on the server>` in the one registry (same name and schema checks as every
 //!   other tool). An agent lists `S__echo` for one tool, or `S` for all of them. A server that
 //!   does not start, or a listed tool it does not offer, fails the start.
+//! - Every tool kind gets its `[tools.X]` guard (`permissions`, `on_permission_denied`,
+//!   `deny`, `paths`, `project`); an MCP server's guard covers each of its tools.
 //! - The redactor knows every configured secret: model API keys, tenant tokens, tool bearer
 //!   tokens, `[secrets] values`, plus `[secrets] patterns` and the default credential patterns.
 
@@ -26,6 +28,7 @@ use crate::model::openai::{ApiKey, OpenAiConfig, OpenAiProvider};
 use crate::model::scripted::{Cassette, ScriptedModel};
 use crate::redact::Redactor;
 use crate::run::Budget;
+use crate::run::guard::Guard;
 use crate::run::verify::Verifier;
 use crate::runtime::RuntimeParts;
 use crate::store::SharedStore;
@@ -104,9 +107,17 @@ impl Tool for Configured {
     }
 }
 
+/// The guard of a configured tool (permissions, deny and path rules, projection).
+fn guard_of(name: &str, t: &ToolConfig) -> Result<Arc<Guard>, BuildError> {
+    Guard::new(&t.guard_config())
+        .map(Arc::new)
+        .map_err(|e| invalid(format!("tools.{name}.{}", e.key), e.message))
+}
+
 /// Applies the configured policy keys to a spec.
-fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> ToolSpec {
+fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> Result<ToolSpec, BuildError> {
     spec.name = name.to_owned();
+    spec.guard = guard_of(name, t)?;
     if let Some(d) = &t.description {
         spec.description = d.clone();
     }
@@ -137,7 +148,7 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> ToolSpec {
     if let Some(p) = t.polling {
         spec.polling = p;
     }
-    spec
+    Ok(spec)
 }
 
 fn resolve(
@@ -163,7 +174,7 @@ fn build_tool(name: &str, t: &ToolConfig) -> Result<Arc<dyn Tool>, BuildError> {
                 .parameters
                 .clone()
                 .unwrap_or_else(|| serde_json::json!({"type": "object"}));
-            let spec = apply(name, t, ToolSpec::new(name, "", parameters));
+            let spec = apply(name, t, ToolSpec::new(name, "", parameters))?;
             let mut tool = HttpTool::new(spec, url, t.status_url.as_deref())
                 .map_err(|e| invalid(format!("{key}.url"), e.message))?;
             if let Some(token) = resolve(&t.bearer_token, &format!("{key}.bearer_token"))? {
@@ -187,7 +198,7 @@ fn build_tool(name: &str, t: &ToolConfig) -> Result<Arc<dyn Tool>, BuildError> {
                     ));
                 }
             };
-            let spec = apply(name, t, inner.spec().clone());
+            let spec = apply(name, t, inner.spec().clone())?;
             Ok(Arc::new(Configured { inner, spec }))
         }
     }
@@ -267,8 +278,11 @@ async fn register_mcp(
         tracing::warn!(server = %name, %tool, %reason, "MCP tool not registered");
     }
     let mut names = Vec::new();
+    // The server's guard keys apply to every one of its tools.
+    let guard = guard_of(name, t)?;
     for tool in found.tools {
         let mut spec = tool.spec().clone();
+        spec.guard = guard.clone();
         if let Some(d) = t.approval_timeout {
             spec.approval_timeout = Some(d);
         }
@@ -344,7 +358,7 @@ pub fn build_redactor(config: &Config) -> Result<Redactor, BuildError> {
     let mut r = Redactor::new();
     for (i, t) in config.tenants.iter().enumerate() {
         for (j, tok) in t.tokens.iter().enumerate() {
-            r.add_secret(tok.resolve(&format!("tenants[{i}].tokens[{j}]"))?);
+            r.add_secret(tok.secret().resolve(&format!("tenants[{i}].tokens[{j}]"))?);
         }
     }
     for (name, m) in &config.models {

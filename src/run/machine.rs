@@ -53,6 +53,7 @@ use serde_json::{Map, Value, json};
 
 use super::budget::{self, Exhausted};
 use super::decision::{Decision, decide};
+use super::guard::{Guard, OnPermissionDenied};
 use super::progress::{CallOutcome, ProgressPolicy, Verdict};
 use super::state::{
     CallStatus, ControlRefusal, MAX_CONTROL_REFUSALS, PendingCall, Phase, RunError, RunState,
@@ -102,10 +103,15 @@ pub enum RunEvent {
     Approve {
         call_id: CallId,
         arguments: Option<Value>,
+        /// Who decided: the token's configured name (recorded in the event).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
     Reject {
         call_id: CallId,
         reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
     Input {
         text: String,
@@ -164,8 +170,24 @@ impl From<Control> for RunEvent {
     fn from(c: Control) -> Self {
         match c {
             Control::Cancel { reason } => RunEvent::Cancel { reason },
-            Control::Approve { call_id, arguments } => RunEvent::Approve { call_id, arguments },
-            Control::Reject { call_id, reason } => RunEvent::Reject { call_id, reason },
+            Control::Approve {
+                call_id,
+                arguments,
+                by,
+            } => RunEvent::Approve {
+                call_id,
+                arguments,
+                by,
+            },
+            Control::Reject {
+                call_id,
+                reason,
+                by,
+            } => RunEvent::Reject {
+                call_id,
+                reason,
+                by,
+            },
             Control::Input { text } => RunEvent::Input { text },
         }
     }
@@ -258,6 +280,11 @@ pub trait ToolCatalog {
     fn on_approval_timeout(&self, name: &str) -> ApprovalTimeoutAction {
         let _ = name;
         ApprovalTimeoutAction::Reject
+    }
+    /// The tool's permissions, argument rules and result projection (default: none).
+    fn guard(&self, name: &str) -> Option<&Guard> {
+        let _ = name;
+        None
     }
 }
 
@@ -645,10 +672,22 @@ fn dispatch(
         {
             Ok(on_verified(s, verdict, cx))
         }
-        (Status::WaitingApproval, E::Approve { call_id, arguments }) => {
-            approve(s, call_id, arguments, cx)
-        }
-        (Status::WaitingApproval, E::Reject { call_id, reason }) => reject(s, call_id, reason, cx),
+        (
+            Status::WaitingApproval,
+            E::Approve {
+                call_id,
+                arguments,
+                by,
+            },
+        ) => approve(s, call_id, arguments, by, cx),
+        (
+            Status::WaitingApproval,
+            E::Reject {
+                call_id,
+                reason,
+                by,
+            },
+        ) => reject(s, call_id, reason, by, cx),
         (Status::WaitingApproval, E::ApprovalExpired { call_id })
             if s.call(&call_id).map(|c| c.status) == Some(CallStatus::AwaitingApproval) =>
         {
@@ -824,8 +863,13 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
                 .count();
             let valid = (batch.len() - invalid) as u32;
             let summary: Vec<Value> = batch.iter().map(call_summary).collect();
+            let stop = batch.iter().find_map(|c| safety_stop(c, cx));
             s.calls = batch;
             let data = json!({ "decision": "tool_calls", "calls": summary, "usage": usage });
+            if let Some(error) = stop {
+                let effects = fail(s, error);
+                return out("model_replied", data, effects);
+            }
             if invalid > 0 {
                 s.corrections += 1;
                 if s.corrections > cx.policy.max_corrections {
@@ -845,6 +889,22 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
             t
         }
     }
+}
+
+/// A call refused `permission_denied` whose tool says `on_permission_denied = "stop"` ends the
+/// run before anything of its batch runs.
+fn safety_stop(c: &PendingCall, cx: &StepContext<'_>) -> Option<RunError> {
+    let error = c.result.as_ref()?.error.as_ref()?;
+    if error.code != ToolErrorCode::PermissionDenied {
+        return None;
+    }
+    let g = cx.tools.guard(&c.tool)?;
+    (g.on_permission_denied == OnPermissionDenied::Stop).then(|| {
+        RunError::new(
+            "permission_denied",
+            format!("safety stop: {}", error.message),
+        )
+    })
 }
 
 fn too_many_corrections(n: u32) -> RunError {
@@ -945,6 +1005,22 @@ fn validate_call(
             })
         }
     };
+    // Scopes, deny rules and path rules: before approval and execution, on the arguments the
+    // call would run with (path rules normalise them).
+    let mut arguments = arguments;
+    let error = match (error, cx.tools.guard(&c.name)) {
+        (None, Some(g)) => {
+            let mut checked = arguments.clone();
+            match g.check(&c.name, s.scopes.as_deref(), &mut checked) {
+                Ok(()) => {
+                    arguments = checked;
+                    None
+                }
+                Err(e) => Some(e),
+            }
+        }
+        (error, _) => error,
+    };
     let (status, result) = match error {
         Some(e) => (CallStatus::Done, Some(ToolResult::failure(e))),
         None if cx.tools.needs_approval(&c.name, &arguments) => {
@@ -1029,9 +1105,19 @@ fn finish_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
             polling: c.polling,
             ok: result.ok,
         });
+        // A projected tool's result reaches the model cut down to its declared parts (the
+        // whole result is in its `tool_call_finished` event).
+        let content = match cx.tools.guard(&c.tool) {
+            Some(g) if g.projects() && result.data.is_some() => {
+                let mut seen = result.clone();
+                seen.data = seen.data.as_ref().map(|d| g.project(d).into_owned());
+                seen.to_message_content()
+            }
+            _ => result.to_message_content(),
+        };
         s.messages.push(Message::Tool {
             call_id: c.model_call_id,
-            content: result.to_message_content(),
+            content,
         });
     }
     match s.progress.record_turn(&outcomes, &cx.policy.progress) {
@@ -1129,6 +1215,12 @@ fn on_tool_finished(
         if let Some(e) = &result.error {
             m.insert("error".into(), json!(e));
         }
+        // The model sees only a projection of this result: the event keeps all of it.
+        if let (Some(d), Some(g)) = (&result.data, cx.tools.guard(&c.tool))
+            && g.projects()
+        {
+            m.insert("result".into(), d.clone());
+        }
     }
     let code = result.error_code();
     let retries_left = c.attempts <= max_retries;
@@ -1217,6 +1309,7 @@ fn approve(
     s: &mut RunState,
     call_id: CallId,
     arguments: Option<Value>,
+    by: Option<String>,
     cx: &StepContext<'_>,
 ) -> Result<Transition, InvalidTransition> {
     let Some(c) = s.call(&call_id) else {
@@ -1236,7 +1329,8 @@ fn approve(
             format!("call {call_id} is not awaiting approval"),
         ));
     }
-    if let Some(args) = &arguments {
+    let mut arguments = arguments;
+    if let Some(args) = &mut arguments {
         if !args.is_object() {
             return Err(invalid(
                 s,
@@ -1254,6 +1348,14 @@ fn approve(
                     e.message
                 ),
             ));
+        }
+        // Edited arguments meet the same deny and path rules as the model's.
+        if let Some(g) = cx.tools.guard(&c.tool) {
+            let mut checked = args.clone();
+            if let Err(e) = g.check_arguments(&mut checked) {
+                return Err(invalid(s, "invalid_argument", e.message));
+            }
+            *args = checked;
         }
     }
     let (run, turn) = (s.id.clone(), s.turn);
@@ -1275,7 +1377,7 @@ fn approve(
     let effects = advance_batch(s, cx);
     let mut t = out(
         "call_approved",
-        json!({ "call_id": call_id, "edited": edited }),
+        json!({ "call_id": call_id, "edited": edited, "by": by }),
         effects,
     );
     add_dispatched(s, &mut t);
@@ -1286,6 +1388,7 @@ fn reject(
     s: &mut RunState,
     call_id: CallId,
     reason: Option<String>,
+    by: Option<String>,
     cx: &StepContext<'_>,
 ) -> Result<Transition, InvalidTransition> {
     let Some(c) = s.call(&call_id) else {
@@ -1322,7 +1425,7 @@ fn reject(
     let effects = advance_batch(s, cx);
     let mut t = out(
         "call_rejected",
-        json!({ "call_id": call_id, "reason": reason }),
+        json!({ "call_id": call_id, "reason": reason, "by": by }),
         effects,
     );
     add_dispatched(s, &mut t);

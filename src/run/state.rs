@@ -174,6 +174,10 @@ pub struct RunState {
     pub input: Value,
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub metadata: Value,
+    /// The scopes of the token that created the run, never widened; `None` (a plain token, or
+    /// a checkpoint from before scopes existed): every scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scopes: Option<Vec<String>>,
     pub status: Status,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
@@ -262,6 +266,7 @@ impl RunState {
             agent,
             input,
             metadata: Value::Null,
+            scopes: None,
             status: Status::Created,
             phase: None,
             budget,

@@ -1125,6 +1125,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 return;
             };
             let ctx = ToolContext {
+                tenant: run.tenant.clone(),
                 run_id: run.id.clone(),
                 call_id: call_id.clone(),
                 idempotency_key: call.key.clone(),

@@ -1,5 +1,5 @@
-//! HTTP tools: `POST <url>` with an `Idempotency-Key` header and the body
-//! `{"tool","arguments","run_id","call_id"}`, failure classification by what may have been
+//! HTTP tools: `POST <url>` with the headers `Idempotency-Key`, `X-Agentd-Tenant` and
+//! `X-Agentd-Run-Id` and the body `{"tool","arguments","run_id","call_id"}`, failure classification by what may have been
 //! applied, and reconciliation through `GET <status url>` with the same key (API.md "Tools
 //! over HTTP").
 //!
@@ -31,6 +31,11 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use super::{Tool, ToolContext, ToolEffect, ToolError, ToolErrorCode, ToolSpec};
+
+/// The tenant a call acts for, on every call and status query.
+pub const TENANT_HEADER: &str = "X-Agentd-Tenant";
+/// The run a call belongs to, on every call and status query.
+pub const RUN_ID_HEADER: &str = "X-Agentd-Run-Id";
 
 /// Read beyond `max_output_bytes` by this much, so the caller can tell "exactly at the cap"
 /// from "cut".
@@ -168,6 +173,8 @@ impl HttpTool {
             .authorized(self.client.post(self.url.clone()))
             .timeout(self.spec.timeout)
             .header("Idempotency-Key", &ctx.idempotency_key)
+            .header(TENANT_HEADER, &ctx.tenant)
+            .header(RUN_ID_HEADER, ctx.run_id.as_str())
             .json(&body)
             .send()
             .await
@@ -227,6 +234,8 @@ impl Tool for HttpTool {
             .authorized(self.client.get(url.clone()))
             .timeout(self.spec.timeout)
             .header("Idempotency-Key", &ctx.idempotency_key)
+            .header(TENANT_HEADER, &ctx.tenant)
+            .header(RUN_ID_HEADER, ctx.run_id.as_str())
             .send();
         let mut response = tokio::select! {
             biased;

@@ -6,7 +6,8 @@
 //!   meta-schema (`jsonschema::meta::validate`). A tool whose schema is invalid, or whose
 //!   namespaced name does not fit `^[a-zA-Z0-9_-]{1,64}$` or collides, is skipped and reported
 //!   in [`McpDiscovery::skipped`].
-//! - Calls: wrapped in `tokio::time::timeout` (the tool's timeout; rmcp has none). A result
+//! - Calls: carry `_meta` `{"agentd/tenant", "agentd/run_id"}` (whom the call acts for), and are
+//!   wrapped in `tokio::time::timeout` (the tool's timeout; rmcp has none). A result
 //!   with `isError: true` is `failed` with its text (uncut: the executor redacts it, then cuts
 //!   it); a JSON-RPC error is `invalid_argument`
 //!   (`-32602`) or `failed`; a timeout, a lost connection or a cancelled call may have run, so
@@ -534,6 +535,22 @@ fn result_value(result: &CallToolResult) -> Value {
     }
 }
 
+/// `_meta` key of the tenant a call acts for.
+pub const META_TENANT: &str = "agentd/tenant";
+/// `_meta` key of the run a call belongs to.
+pub const META_RUN_ID: &str = "agentd/run_id";
+
+/// The request `_meta` of a call: whom it acts for.
+fn call_meta(ctx: &ToolContext) -> rmcp::model::RequestMetaObject {
+    let mut meta = Map::new();
+    meta.insert(META_TENANT.into(), Value::String(ctx.tenant.clone()));
+    meta.insert(
+        META_RUN_ID.into(),
+        Value::String(ctx.run_id.as_str().to_owned()),
+    );
+    rmcp::model::RequestMetaObject(rmcp::model::MetaObject(meta))
+}
+
 #[async_trait]
 impl Tool for McpTool {
     fn spec(&self) -> &ToolSpec {
@@ -556,6 +573,7 @@ impl Tool for McpTool {
         if let Some(args) = arguments {
             params = params.with_arguments(args);
         }
+        params.meta = Some(call_meta(ctx));
         let timeout = self.spec.timeout;
         // Dropping the call future (timeout or cancel) sends `notifications/cancelled`.
         // Biased: a call cancelled before it starts is never sent.

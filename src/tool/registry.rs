@@ -1,5 +1,6 @@
 //! The one registry of tools: each tool with its compiled argument validator, and the per-agent
-//! view (`AgentTools`) that the pure run machine consults for allow-lists, schemas and approval.
+//! view (`AgentTools`) that the pure run machine consults for allow-lists, schemas, approval,
+//! and each tool's guard (permissions, argument rules, result projection).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -189,5 +190,9 @@ impl ToolCatalog for AgentTools {
         self.allowed_spec(name)
             .map(|s| s.on_approval_timeout)
             .unwrap_or_default()
+    }
+
+    fn guard(&self, name: &str) -> Option<&crate::run::guard::Guard> {
+        self.allowed_spec(name).map(|s| &*s.guard)
     }
 }

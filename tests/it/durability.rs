@@ -256,6 +256,7 @@ fn new_run(input: &str) -> NewRun {
         client_key: None,
         budget: Default::default(),
         metadata: Value::Null,
+        scopes: None,
     }
 }
 

@@ -280,6 +280,10 @@ pub enum ToolBehavior {
 pub struct ToolRequest {
     pub idempotency_key: Option<String>,
     pub authorization: Option<String>,
+    /// `X-Agentd-Tenant`: whom the call acts for.
+    pub tenant: Option<String>,
+    /// `X-Agentd-Run-Id`.
+    pub run_id: Option<String>,
     pub body: Value,
     /// When the request arrived.
     pub received_at: std::time::Instant,
@@ -512,13 +516,18 @@ async fn serve_call(
 ) -> Response {
     let body: Value = serde_json::from_str(&body).unwrap_or(Value::String(body));
     let key = key_of(&headers);
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
     state.requests.lock().unwrap().push(ToolRequest {
         received_at: std::time::Instant::now(),
         idempotency_key: key.clone(),
-        authorization: headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned),
+        authorization: header("authorization"),
+        tenant: header("x-agentd-tenant"),
+        run_id: header("x-agentd-run-id"),
         body: body.clone(),
     });
     let Some(key) = key else {

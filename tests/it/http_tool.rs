@@ -24,6 +24,7 @@ fn spec(effect: ToolEffect) -> ToolSpec {
 
 fn ctx(key: &str) -> ToolContext {
     ToolContext {
+        tenant: "alpha".into(),
         run_id: RunId::generate(),
         call_id: CallId::new(1, 0),
         idempotency_key: key.to_owned(),

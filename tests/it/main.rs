@@ -41,6 +41,9 @@ mod openai;
 mod ownership;
 /// A store wrapper whose lease renewals fail, as behind a partition.
 mod partition;
+/// Scopes × tools × routes, approver roles, agents per tenant, injection against guards,
+/// result projection, whom tools act for.
+mod permissions;
 /// Store-test helpers: builders, Redis namespaces, a private redis-server.
 mod redis_support;
 /// The core runtime through `RuntimeHandle`.

@@ -57,6 +57,7 @@ pub fn server_bin() -> Option<PathBuf> {
 
 fn ctx() -> ToolContext {
     ToolContext {
+        tenant: "alpha".into(),
         run_id: RunId::generate(),
         call_id: CallId::new(1, 0),
         idempotency_key: "mcp-key".into(),

@@ -172,6 +172,7 @@ async fn budget_case(budget: BudgetRequest, model: ScriptedModel, which: &str) {
             client_key: None,
             budget,
             metadata: Value::Null,
+            scopes: None,
         })
         .await;
     let run = h.finish(&id).await;
@@ -358,12 +359,12 @@ async fn approve_runs_the_call_and_reject_tells_the_model() {
     let call = run.pending_approvals().next().unwrap().call_id.clone();
     assert_eq!(ledger.total(), 0, "nothing runs before approval");
     h.handle
-        .decide(TENANT, &id, &call, true, None, None)
+        .decide(TENANT, &id, &call, true, None, None, None)
         .await
         .unwrap();
     // A replayed approval answers the same and runs nothing more.
     h.handle
-        .decide(TENANT, &id, &call, true, None, None)
+        .decide(TENANT, &id, &call, true, None, None, None)
         .await
         .unwrap();
     let run = h.finish(&id).await;
@@ -372,7 +373,7 @@ async fn approve_runs_the_call_and_reject_tells_the_model() {
     // Rejecting an approved call is a conflict.
     let err = h
         .handle
-        .decide(TENANT, &id, &call, false, None, None)
+        .decide(TENANT, &id, &call, false, None, None, None)
         .await
         .unwrap_err();
     assert_eq!(err.code(), "invalid_state");
@@ -387,7 +388,7 @@ async fn approve_runs_the_call_and_reject_tells_the_model() {
     let unknown: agentd::ids::CallId = "call_99_0".parse().unwrap();
     assert_eq!(
         h.handle
-            .decide(TENANT, &id, &unknown, true, None, None)
+            .decide(TENANT, &id, &unknown, true, None, None, None)
             .await
             .unwrap_err()
             .code(),
@@ -396,11 +397,27 @@ async fn approve_runs_the_call_and_reject_tells_the_model() {
     // Edited arguments are validated again.
     let bad = h
         .handle
-        .decide(TENANT, &id, &call, true, Some(json!({"item": 7})), None)
+        .decide(
+            TENANT,
+            &id,
+            &call,
+            true,
+            Some(json!({"item": 7})),
+            None,
+            None,
+        )
         .await;
     assert_eq!(bad.unwrap_err().code(), "invalid_argument");
     h.handle
-        .decide(TENANT, &id, &call, false, None, Some("not today".into()))
+        .decide(
+            TENANT,
+            &id,
+            &call,
+            false,
+            None,
+            Some("not today".into()),
+            None,
+        )
         .await
         .unwrap();
     let run = h.finish(&id).await;
@@ -720,6 +737,7 @@ async fn a_passivated_run_is_woken_by_its_deadline() {
                 ..Default::default()
             },
             metadata: Value::Null,
+            scopes: None,
         })
         .await;
     h.handle

@@ -455,6 +455,7 @@ async fn controls_inbox_keeps_order(s: &dyn Store) {
         Control::Approve {
             call_id: CallId::new(1, 0),
             arguments: None,
+            by: None,
         },
         Control::Cancel {
             reason: Some("done".into()),

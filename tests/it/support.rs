@@ -130,6 +130,7 @@ impl Harness {
             client_key: None,
             budget: Default::default(),
             metadata: Value::Null,
+            scopes: None,
         })
         .await
     }

@@ -561,6 +561,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: Some(json!({"text": "b"})),
+            by: None,
         },
     );
     assert_eq!(t.kind, "call_approved");
@@ -575,6 +576,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: Some(json!({"text": 1})),
+            by: None,
         },
         &cx(10),
     );
@@ -584,6 +586,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Approve {
             call_id: "call_9_9".parse().unwrap(),
             arguments: None,
+            by: None,
         },
         &cx(10),
     );
@@ -593,6 +596,7 @@ fn approve_dispatches_and_reject_answers_the_model() {
         RunEvent::Reject {
             call_id: "call_1_0".parse().unwrap(),
             reason: Some("no".into()),
+            by: None,
         },
     );
     assert_eq!(t.kind, "call_rejected");
@@ -636,6 +640,7 @@ fn an_expired_approval_takes_the_tools_default_decision() {
         RunEvent::Approve {
             call_id: c1,
             arguments: None,
+            by: None,
         },
         &cx(10),
     );
@@ -813,6 +818,7 @@ fn terminal_runs_record_late_results_and_reject_everything_else() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: None,
+            by: None,
         },
         RunEvent::Abort {
             code: "x".into(),
@@ -833,10 +839,12 @@ fn controls_that_do_not_fit_are_errors() {
         RunEvent::Approve {
             call_id: "call_1_0".parse().unwrap(),
             arguments: None,
+            by: None,
         },
         RunEvent::Reject {
             call_id: "call_1_0".parse().unwrap(),
             reason: None,
+            by: None,
         },
     ] {
         assert_eq!(step(&mut s, e, &cx(10)).unwrap_err().code, "invalid_state");
@@ -848,7 +856,8 @@ fn controls_that_do_not_fit_are_errors() {
             &mut s,
             RunEvent::Approve {
                 call_id: "call_1_0".parse().unwrap(),
-                arguments: None
+                arguments: None,
+                by: None,
             },
             &cx(10)
         )
@@ -946,11 +955,13 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
         Just(RunEvent::Cancel { reason: None }),
         call.clone().prop_map(|call_id| RunEvent::Approve {
             call_id,
-            arguments: None
+            arguments: None,
+            by: None,
         }),
         call.prop_map(|call_id| RunEvent::Reject {
             call_id,
-            reason: None
+            reason: None,
+            by: None,
         }),
         Just(RunEvent::Input { text: "hi".into() }),
         Just(RunEvent::DeadlineReached),
@@ -996,4 +1007,284 @@ proptest! {
         prop_assert!(terminal_events <= 1);
         prop_assert_eq!(terminal_events == 1, a.is_terminal());
     }
+}
+
+// ---- guards: scopes, argument rules, projection ----
+
+/// `Catalog` plus guards: `unsafe_tool` needs `deploy:prod` (refused calls go back to the
+/// model), `idem` needs `admin` (a safety stop), `echo` refuses `/text` = "rm -rf" and confines
+/// `/path` to `/srv`, `gate` refuses `/text` = "x", `recon` shows the model only `/id`.
+struct Guarded {
+    guards: std::collections::HashMap<&'static str, Guard>,
+}
+
+impl Guarded {
+    fn new() -> Self {
+        use crate::run::guard::{DenyRule, GuardConfig, PathRule};
+        let deny = |pointer: &str, v: Value| DenyRule {
+            pointer: pointer.into(),
+            equals: None,
+            one_of: Some(vec![v]),
+            prefix: None,
+            regex: None,
+            max_length: None,
+        };
+        let g = |c: GuardConfig| Guard::new(&c).unwrap();
+        let mut guards = std::collections::HashMap::new();
+        guards.insert(
+            "unsafe_tool",
+            g(GuardConfig {
+                permissions: vec!["deploy:prod".into()],
+                ..GuardConfig::default()
+            }),
+        );
+        guards.insert(
+            "idem",
+            g(GuardConfig {
+                permissions: vec!["admin".into()],
+                on_permission_denied: OnPermissionDenied::Stop,
+                ..GuardConfig::default()
+            }),
+        );
+        guards.insert(
+            "echo",
+            g(GuardConfig {
+                deny: vec![deny("/text", json!("rm -rf"))],
+                paths: vec![PathRule {
+                    pointer: "/path".into(),
+                    root: "/srv".into(),
+                }],
+                ..GuardConfig::default()
+            }),
+        );
+        guards.insert(
+            "gate",
+            g(GuardConfig {
+                deny: vec![deny("/text", json!("x"))],
+                ..GuardConfig::default()
+            }),
+        );
+        guards.insert(
+            "recon",
+            g(GuardConfig {
+                project: vec!["/id".into()],
+                ..GuardConfig::default()
+            }),
+        );
+        Guarded { guards }
+    }
+}
+
+impl ToolCatalog for Guarded {
+    fn lookup(&self, name: &str) -> ToolLookup {
+        Catalog.lookup(name)
+    }
+    fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError> {
+        Catalog.validate(name, arguments)
+    }
+    fn needs_approval(&self, name: &str, arguments: &Value) -> bool {
+        Catalog.needs_approval(name, arguments)
+    }
+    fn guard(&self, name: &str) -> Option<&Guard> {
+        self.guards.get(name)
+    }
+}
+
+fn guarded_step(s: &mut RunState, e: RunEvent, tools: &Guarded) -> Transition {
+    step(
+        s,
+        e,
+        &StepContext {
+            now_ms: 10,
+            policy: &POLICY,
+            tools,
+        },
+    )
+    .unwrap()
+}
+
+fn guarded_reply(s: &mut RunState, tools: &Guarded, calls: &[(&str, &str)]) -> Transition {
+    let epoch = s.epoch;
+    guarded_step(
+        s,
+        RunEvent::ModelReplied {
+            epoch,
+            reply: reply_calls(calls),
+        },
+        tools,
+    )
+}
+
+fn executes(t: &Transition) -> usize {
+    t.effects
+        .iter()
+        .filter(|e| matches!(e, Effect::ExecuteTool { .. }))
+        .count()
+}
+
+#[test]
+fn a_call_needing_a_scope_the_run_lacks_is_refused_before_it_runs() {
+    let tools = Guarded::new();
+    for (scopes, allowed) in [
+        (None, true),
+        (Some(vec!["deploy".to_owned()]), true),
+        (Some(vec!["deploy:prod".to_owned()]), true),
+        (Some(vec!["deploy:staging".to_owned()]), false),
+        (Some(vec![]), false),
+    ] {
+        let mut s = running();
+        s.scopes = scopes.clone();
+        let t = guarded_reply(&mut s, &tools, &[("unsafe_tool", "{}")]);
+        if allowed {
+            assert_eq!(executes(&t), 1, "{scopes:?}");
+            continue;
+        }
+        assert_eq!(executes(&t), 0, "{scopes:?}");
+        assert_eq!(t.data["calls"][0]["error"]["code"], "permission_denied");
+        assert!(has_call_model(&t, ToolChoice::Auto), "the model hears why");
+        assert!(matches!(
+            s.messages.last(),
+            Some(Message::Tool { content, .. }) if content.contains("permission_denied") && content.contains("deploy:prod")
+        ));
+        assert_eq!(s.status, Status::Running);
+    }
+}
+
+#[test]
+fn a_stop_policy_ends_the_run_before_anything_of_the_batch_runs() {
+    let tools = Guarded::new();
+    let mut s = running();
+    s.scopes = Some(vec!["deploy".into()]);
+    let t = guarded_reply(&mut s, &tools, &[("unsafe_tool", "{}"), ("idem", "{}")]);
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(t.data["cause"], "model_replied");
+    assert_eq!(executes(&t), 0, "not even the permitted call runs");
+    assert!(terminal_effects(&t));
+    assert_eq!(s.error.as_ref().unwrap().code, "permission_denied");
+    assert_eq!(t.data["calls"][1]["error"]["code"], "permission_denied");
+}
+
+#[test]
+fn argument_rules_refuse_or_normalise_before_approval_and_execution() {
+    let tools = Guarded::new();
+    let mut s = running();
+    let t = guarded_reply(
+        &mut s,
+        &tools,
+        &[
+            ("echo", r#"{"text":"rm -rf"}"#),
+            ("echo", r#"{"path":"%2e%2e/etc"}"#),
+            ("echo", r#"{"path":"./a//b"}"#),
+        ],
+    );
+    assert_eq!(t.data["calls"][0]["error"]["code"], "argument_denied");
+    assert_eq!(t.data["calls"][1]["error"]["code"], "argument_denied");
+    assert_eq!(executes(&t), 1);
+    let c = &s.calls[2];
+    assert_eq!(c.arguments, json!({"path": "/srv/a/b"}));
+    assert_eq!(
+        c.key,
+        idempotency_key(&s.id, 1, 2, "echo", &json!({"path": "/srv/a/b"})),
+        "the key is derived from the arguments that run"
+    );
+    // A refused call that would need approval never reaches an operator.
+    let mut s = running();
+    guarded_reply(&mut s, &tools, &[("gate", r#"{"text":"x"}"#)]);
+    assert_eq!(s.pending_approvals().count(), 0);
+}
+
+#[test]
+fn edited_arguments_meet_the_same_rules_and_the_decider_is_recorded() {
+    let tools = Guarded::new();
+    let mut s = running();
+    guarded_reply(&mut s, &tools, &[("gate", r#"{"text":"a"}"#)]);
+    assert_eq!(s.status, Status::WaitingApproval);
+    let before = s.clone();
+    let refused = step(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: Some(json!({"text": "x"})),
+            by: Some("ops".into()),
+        },
+        &StepContext {
+            now_ms: 10,
+            policy: &POLICY,
+            tools: &tools,
+        },
+    );
+    assert_eq!(refused.unwrap_err().code, "invalid_argument");
+    assert_eq!(s, before, "a refused edit changes nothing");
+    let t = guarded_step(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: None,
+            by: Some("ops".into()),
+        },
+        &tools,
+    );
+    assert_eq!(t.data["by"], "ops");
+    let mut s = running();
+    guarded_reply(&mut s, &tools, &[("gate", r#"{"text":"a"}"#)]);
+    let t = guarded_step(
+        &mut s,
+        RunEvent::Reject {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: None,
+            by: Some("night-shift".into()),
+        },
+        &tools,
+    );
+    assert_eq!(
+        (t.kind, &t.data["by"]),
+        ("call_rejected", &json!("night-shift"))
+    );
+    // Controls stored before `by` existed still read.
+    let old: Control =
+        serde_json::from_value(json!({"type": "approve", "call_id": "call_1_0"})).unwrap();
+    assert!(matches!(
+        RunEvent::from(old),
+        RunEvent::Approve { by: None, .. }
+    ));
+}
+
+#[test]
+fn a_projected_result_reaches_the_model_cut_down_and_the_event_keeps_all_of_it() {
+    let tools = Guarded::new();
+    let mut s = running();
+    guarded_reply(&mut s, &tools, &[("recon", "{}")]);
+    let epoch = s.epoch;
+    let t = guarded_step(
+        &mut s,
+        RunEvent::ToolFinished {
+            epoch,
+            call_id: "call_1_0".parse().unwrap(),
+            result: ToolResult::success(json!({"id": 7, "internal": "do not show"})),
+        },
+        &tools,
+    );
+    assert_eq!(
+        t.data["result"],
+        json!({"id": 7, "internal": "do not show"})
+    );
+    let Some(Message::Tool { content, .. }) = s.messages.last() else {
+        panic!("no tool message");
+    };
+    let seen: Value = serde_json::from_str(content).unwrap();
+    assert_eq!(seen["data"], json!({"id": 7}));
+    assert!(!content.contains("do not show"));
+}
+
+#[test]
+fn scopes_persist_with_the_run_and_old_checkpoints_hold_every_scope() {
+    let mut s = new_run();
+    s.scopes = Some(vec!["deploy:staging".into()]);
+    let text = serde_json::to_string(&s).unwrap();
+    let back: RunState = serde_json::from_str(&text).unwrap();
+    assert_eq!(back.scopes, s.scopes);
+    let mut old = serde_json::to_value(new_run()).unwrap();
+    old.as_object_mut().unwrap().remove("scopes");
+    let old: RunState = serde_json::from_value(old).unwrap();
+    assert_eq!(old.scopes, None);
 }
