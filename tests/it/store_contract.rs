@@ -1597,16 +1597,44 @@ mod redis_indexes {
         dangling_entries_and_orphan_client_keys(&s, &cluster.url()).await;
     }
 
-    /// Group commit on a cluster: many runs committing at once, each with its own versions
+    /// Commits on a cluster: many runs committing at once, each with its own versions
     /// and a gap-free log.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn cluster_group_commit() {
+    async fn cluster_concurrent_commits() {
         let Some(cluster) = crate::cluster_support::LocalCluster::start().await else {
             return;
         };
         let s = cluster.store(|c| c).await;
         super::redis_concurrency::drive(Arc::new(s), 200, 5, 100).await;
     }
+}
+
+/// Commits/s on a local three-master cluster (same knobs as
+/// `redis_concurrency::throughput_figures`; defaults 500 runs x 10 commits of 2048 B). On a
+/// cluster commits go out directly, concurrent ones sharing the per-node connections. Figures
+/// only; nothing is asserted on timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_throughput_figures() {
+    let var = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (runs, commits, body) = (
+        var("STORE_BENCH_RUNS", 500),
+        var("STORE_BENCH_COMMITS", 10) as u64,
+        var("STORE_BENCH_BODY", 2048),
+    );
+    let Some(cluster) = crate::cluster_support::LocalCluster::start().await else {
+        return;
+    };
+    let s = cluster.store(|c| c).await;
+    let rate = redis_concurrency::drive(Arc::new(s), runs, commits, body).await;
+    eprintln!(
+        "redis cluster store (3 masters): {runs} runs x {commits} commits of {body} B bodies: \
+         {rate:.0} commits/s"
+    );
 }
 
 /// Lease renewal: one script per lease plus one ZADD per call, in one round trip; and the
