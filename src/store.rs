@@ -486,12 +486,19 @@ mod tests {
                 owner: "n".into(),
             },
             Error::Corrupt("x".into()),
-            Error::NodeIdInUse { node: "n1".into() },
+            Error::NodeIdInUse {
+                node: "n1".into(),
+                holder: "i1".into(),
+            },
         ] {
             assert!(!e.is_retryable(), "{e:?}");
         }
         assert_eq!(
-            Error::NodeIdInUse { node: "n1".into() }.to_string(),
+            Error::NodeIdInUse {
+                node: "n1".into(),
+                holder: "i1".into()
+            }
+            .to_string(),
             "node id n1 is held by another live process"
         );
     }
