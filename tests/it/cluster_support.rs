@@ -143,6 +143,23 @@ impl LocalCluster {
         .await;
     }
 
+    /// SIGKILLs node `i` and waits for it to exit.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts node `i` again on its port and cluster config file (it keeps its slots, and
+    /// comes back without data: no persistence) and waits for `cluster_state:ok`.
+    pub async fn restart(&mut self, i: usize) {
+        self.kill(i);
+        let child = self.spawn(i);
+        self.nodes[i] = Some(child);
+        self.wait_ok().await;
+    }
+
     pub fn ports(&self) -> &[u16] {
         &self.ports
     }

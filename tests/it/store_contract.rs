@@ -1361,6 +1361,155 @@ mod redis_faults {
     }
 }
 
+/// Transient faults are `Unavailable` (retryable) within a bound, and the store recovers: a
+/// cluster master killed and restarted, and a single Redis busy running a long script.
+mod redis_transient_faults {
+    use super::*;
+    use crate::cluster_support::LocalCluster;
+    use crate::redis_support::PrivateRedis;
+    use agentd::store::redis::{RedisConfig, RedisStore};
+
+    const BOUND: Duration = Duration::from_secs(4);
+
+    async fn transient<T: std::fmt::Debug>(
+        what: &str,
+        f: impl std::future::Future<Output = agentd::store::Result<T>>,
+    ) {
+        let start = Instant::now();
+        let r = f.await;
+        let took = start.elapsed();
+        match r {
+            Err(e) => assert!(e.is_retryable(), "{what}: {e:?} should be retryable"),
+            Ok(v) => panic!("{what}: expected a transient error, got {v:?}"),
+        }
+        assert!(took < BOUND, "{what}: took {took:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_master_down_is_retryable_then_recovers() {
+        let Some(mut cluster) = LocalCluster::start().await else {
+            return;
+        };
+        let s = cluster
+            .store(|c| c.op_timeout(Duration::from_secs(1)))
+            .await;
+        // Enough runs that some live on every master.
+        let mut runs = Vec::new();
+        for _ in 0..30 {
+            runs.push(created(&s, "t1").await);
+        }
+        cluster.kill(0);
+        // Some run's slot is on the dead master: reading it fails, transiently, in bounds.
+        let mut failed = None;
+        for r in &runs {
+            let start = Instant::now();
+            let out = s.load(r).await;
+            assert!(start.elapsed() < BOUND, "load took {:?}", start.elapsed());
+            if let Err(e) = out {
+                assert!(e.is_retryable(), "{e:?}");
+                failed = Some(r.clone());
+                break;
+            }
+        }
+        let victim = failed.expect("no run lived on the killed master");
+        transient("claim", s.claim(&victim, "node-a", TTL)).await;
+        transient("renew", async {
+            let lease = Lease {
+                run_id: victim.clone(),
+                owner: "node-a".into(),
+                token: 1,
+            };
+            s.renew_leases("node-a", &[lease], TTL).await
+        })
+        .await;
+
+        cluster.restart(0).await;
+        // The master is back (empty: no persistence); the store works again on every slot.
+        eventually(
+            "the store to reach every master",
+            Duration::from_secs(20),
+            || async { s.load(&victim).await.ok() },
+        )
+        .await;
+        let run = created(&s, "t1").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+        let c = s.load(&run).await.unwrap().unwrap();
+        step(&s, &lease, &c).await;
+        let leases: Vec<Lease> = {
+            let mut v = Vec::new();
+            for r in &runs {
+                if let Ok(l) = s.claim(r, "node-a", TTL).await {
+                    v.push(l);
+                }
+            }
+            v
+        };
+        assert!(!leases.is_empty());
+        assert!(
+            s.renew_leases("node-a", &leases, TTL)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_redis_is_retryable_then_recovers() {
+        let Some(redis) = PrivateRedis::start().await else {
+            return;
+        };
+        let s = RedisStore::open(
+            RedisConfig::new(redis.url())
+                .namespace("busy")
+                .op_timeout(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+        let run = created(&s, "t1").await;
+        let client = ::redis::Client::open(redis.url()).unwrap();
+        let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = ::redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("busy-reply-threshold")
+            .arg(50)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        // A script that keeps the server busy for 1.5 s; others get BUSY meanwhile.
+        let hog = tokio::spawn(async move {
+            let mut con = client.get_multiplexed_async_connection().await.unwrap();
+            let _: ::redis::RedisResult<i64> = ::redis::cmd("EVAL")
+                .arg(
+                    "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] \
+                     repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - s > 1500000 \
+                     return 1",
+                )
+                .arg(0)
+                .query_async(&mut con)
+                .await;
+        });
+        let busy = eventually(
+            "the server to answer BUSY",
+            Duration::from_secs(5),
+            || async {
+                match s.load(&run).await {
+                    Err(e) if e.to_string().contains("BUSY") => Some(e),
+                    _ => None,
+                }
+            },
+        )
+        .await;
+        assert!(busy.is_retryable(), "{busy:?}");
+        hog.await.unwrap();
+        eventually(
+            "the store to answer again",
+            Duration::from_secs(10),
+            || async { s.load(&run).await.ok().flatten() },
+        )
+        .await;
+    }
+}
+
 mod redis_concurrency {
     use super::*;
     use crate::redis_support::{drop_namespace, shared_redis};
