@@ -471,6 +471,55 @@ mod tests {
         assert_eq!(split_namespace("redis://h"), ("redis://h".to_owned(), None));
     }
 
+    #[test]
+    fn only_transient_faults_are_retryable() {
+        let run: RunId = "run_0192abc".parse().unwrap();
+        assert!(Error::Unavailable("redis: connection refused".into()).is_retryable());
+        for e in [
+            Error::NotFound(run.clone()),
+            Error::VersionConflict {
+                run: run.clone(),
+                expected: 1,
+                found: 2,
+            },
+            Error::Fenced {
+                run: run.clone(),
+                token: 1,
+            },
+            Error::LeaseHeld {
+                run: run.clone(),
+                owner: "n".into(),
+            },
+            Error::Corrupt("x".into()),
+            Error::NodeIdInUse {
+                node: "n1".into(),
+                holder: "i1".into(),
+            },
+        ] {
+            assert!(!e.is_retryable(), "{e:?}");
+        }
+        assert_eq!(
+            Error::NodeIdInUse {
+                node: "n1".into(),
+                holder: "i1".into()
+            }
+            .to_string(),
+            "node id n1 is held by another live process"
+        );
+    }
+
+    #[test]
+    fn run_ids_carry_their_creation_time() {
+        let before = crate::clock::now_ms();
+        let run = RunId::generate();
+        let t = run_created_ms(&run).unwrap();
+        assert!(t >= before && t <= crate::clock::now_ms(), "{t}");
+        assert!(!is_dangling(&run, t + 1000));
+        assert!(is_dangling(&run, t + DANGLING_AFTER.as_millis() as u64 + 1));
+        let odd: RunId = "run_zz".parse().unwrap();
+        assert!(is_dangling(&odd, 0));
+    }
+
     #[tokio::test]
     async fn unknown_store_urls_are_rejected_clearly() {
         for url in ["postgres://x", "file:", "", "mem"] {

@@ -456,11 +456,15 @@ impl<'t> Tables<'t> {
 
     fn release_many(&mut self, j: &ReleaseManyJob, leases: &mut Leases<'_>) -> Result<()> {
         for l in &j.leases {
-            if self.fence(&l.run_id)? != l.token || l.token == 0 {
+            if self.fence(&l.run_id)? != l.token {
                 continue;
             }
             self.release(l, leases)?;
-            let due = j.due.filter(|_| self.is_active(&l.run_id).unwrap_or(false));
+            let due = if self.is_active(&l.run_id)? {
+                j.due
+            } else {
+                None
+            };
             self.set_due(&l.run_id, due)?;
         }
         Ok(())

@@ -52,7 +52,10 @@ pub struct RedisConfig {
     pub op_timeout: Duration,
     /// Upper bound for establishing one connection.
     pub connect_timeout: Duration,
-    /// Batch concurrent commits into pipelines. Off: one EVALSHA round trip per commit.
+    /// Batch concurrent commits into pipelines. Off: one EVALSHA round trip per commit. Single
+    /// Redis only: on a cluster a pipeline cannot span slots, and commits sent directly (each
+    /// its own command, concurrent ones sharing the per-node connections) measured faster
+    /// than batches of concurrent commands.
     pub group_commit: bool,
     /// Capacity of the group-commit queue; a full queue makes callers wait (up to
     /// `op_timeout`), never grow memory.
@@ -756,7 +759,7 @@ impl RedisStore {
             source,
             blocking: tokio::sync::Mutex::new(Vec::new()),
         });
-        let queue = if cfg.group_commit {
+        let queue = if cfg.group_commit && !core.is_cluster() {
             let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
             tokio::spawn(group_committer(rx, core.clone()));
             Some(tx)

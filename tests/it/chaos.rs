@@ -13,8 +13,10 @@
 //! - I4: every log is gap-free with `run_created` first, one `run_started`, exactly one
 //!   terminal event for a terminal run, and a checkpoint version equal to the last seq.
 //!
-//! `CHAOS_TRIALS` (default 20), `CHAOS_RUNS` (runs started per trial, default 8) and
-//! `CHAOS_SEED` tune it; the seed is printed. `scripts/chaos-soak.sh` runs long soaks.
+//! The same trials run on a local three-master Redis Cluster (`redis+cluster://`).
+//!
+//! `CHAOS_TRIALS` (default 20; `CHAOS_CLUSTER_TRIALS` on the cluster, default 10), `CHAOS_RUNS`
+//! (runs started per trial, default 8) and `CHAOS_SEED` tune it; the seed is printed. `scripts/chaos-soak.sh` runs long soaks.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -29,6 +31,7 @@ use serde_json::{Value, json};
 use crate::chaos_support::{
     ChildDaemon, LogFacts, check_stored_run, intent_witness, is_settled, tail,
 };
+use crate::cluster_support::LocalCluster;
 use crate::fakes::ToolServer;
 use crate::redis_support::PrivateRedis;
 
@@ -205,17 +208,35 @@ fn check_tools(tools: &ToolServer, dispatched: &HashMap<String, u32>) -> Vec<Str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_chaos_loses_no_run_and_repeats_no_effect() {
-    let trials = env_num("CHAOS_TRIALS", 20);
-    let per_trial = env_num("CHAOS_RUNS", 8) as usize;
-    let seed = env_num("CHAOS_SEED", rand::random::<u32>() as u64);
-    eprintln!("chaos: seed {seed} (CHAOS_SEED={seed} replays the kill schedule), {trials} trials");
-    let mut rng = StdRng::seed_from_u64(seed);
-
     let Some(redis) = PrivateRedis::start().await else {
         return;
     };
+    chaos_on(&redis.url(), env_num("CHAOS_TRIALS", 20)).await;
+    drop(redis);
+}
+
+/// The same chaos on a local three-master Redis Cluster (`CHAOS_CLUSTER_TRIALS`, default 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_chaos_on_redis_cluster() {
+    let Some(cluster) = LocalCluster::start().await else {
+        return;
+    };
+    chaos_on(&cluster.url(), env_num("CHAOS_CLUSTER_TRIALS", 10)).await;
+    drop(cluster);
+}
+
+/// Runs `trials` kill -9 trials of a daemon on the Redis at `redis_url` (no `?ns=`).
+async fn chaos_on(redis_url: &str, trials: u64) {
+    let per_trial = env_num("CHAOS_RUNS", 8) as usize;
+    let seed = env_num("CHAOS_SEED", rand::random::<u32>() as u64);
+    eprintln!(
+        "chaos on {redis_url}: seed {seed} (CHAOS_SEED={seed} replays the kill schedule), \
+         {trials} trials"
+    );
+    let mut rng = StdRng::seed_from_u64(seed);
+
     let ns = format!("chaos{seed}");
-    let store_url = format!("{}?ns={ns}", redis.url());
+    let store_url = format!("{redis_url}?ns={ns}");
     let store: SharedStore = agentd::store::open(&store_url).await.unwrap();
     let tools = ToolServer::start().await;
     tools.set_latency(Duration::from_millis(10), Duration::from_millis(250));
@@ -381,5 +402,4 @@ async fn kill_9_chaos_loses_no_run_and_repeats_no_effect() {
     );
     assert_eq!(duplicates, 0);
     daemon.kill9();
-    drop(redis);
 }

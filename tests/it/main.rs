@@ -11,6 +11,8 @@ mod chaos;
 mod chaos_support;
 /// The CLI binary against a live daemon.
 mod cli;
+/// A local three-master Redis Cluster for the store contract and chaos tests.
+mod cluster_support;
 /// Control routes: cancel, approvals, input — idempotency and conflicts.
 mod control;
 /// Daemon harness: `TestDaemon`, the test configuration, HTTP helpers, polling with deadlines.

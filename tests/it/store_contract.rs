@@ -1,5 +1,5 @@
 //! The store contract: every check is written once against `&dyn Store` and run for the memory,
-//! file (redb in a temp dir) and Redis stores; then Redis-only fault, concurrency and
+//! file (redb in a temp dir), Redis and Redis Cluster (three local masters) stores; then Redis-only fault, concurrency and
 //! throughput tests, and file-store restart tests.
 
 use std::collections::HashSet;
@@ -857,6 +857,19 @@ macro_rules! contract {
                 }
             )*
         }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $check() {
+                    let Some(cluster) = crate::cluster_support::LocalCluster::start().await else {
+                        return;
+                    };
+                    let s = cluster.store(|c| c).await;
+                    assert!(s.is_cluster());
+                    super::$check(&s).await;
+                }
+            )*
+        }
     };
 }
 
@@ -1349,6 +1362,155 @@ mod redis_faults {
     }
 }
 
+/// Transient faults are `Unavailable` (retryable) within a bound, and the store recovers: a
+/// cluster master killed and restarted, and a single Redis busy running a long script.
+mod redis_transient_faults {
+    use super::*;
+    use crate::cluster_support::LocalCluster;
+    use crate::redis_support::PrivateRedis;
+    use agentd::store::redis::{RedisConfig, RedisStore};
+
+    const BOUND: Duration = Duration::from_secs(4);
+
+    async fn transient<T: std::fmt::Debug>(
+        what: &str,
+        f: impl std::future::Future<Output = agentd::store::Result<T>>,
+    ) {
+        let start = Instant::now();
+        let r = f.await;
+        let took = start.elapsed();
+        match r {
+            Err(e) => assert!(e.is_retryable(), "{what}: {e:?} should be retryable"),
+            Ok(v) => panic!("{what}: expected a transient error, got {v:?}"),
+        }
+        assert!(took < BOUND, "{what}: took {took:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_master_down_is_retryable_then_recovers() {
+        let Some(mut cluster) = LocalCluster::start().await else {
+            return;
+        };
+        let s = cluster
+            .store(|c| c.op_timeout(Duration::from_secs(1)))
+            .await;
+        // Enough runs that some live on every master.
+        let mut runs = Vec::new();
+        for _ in 0..30 {
+            runs.push(created(&s, "t1").await);
+        }
+        cluster.kill(0);
+        // Some run's slot is on the dead master: reading it fails, transiently, in bounds.
+        let mut failed = None;
+        for r in &runs {
+            let start = Instant::now();
+            let out = s.load(r).await;
+            assert!(start.elapsed() < BOUND, "load took {:?}", start.elapsed());
+            if let Err(e) = out {
+                assert!(e.is_retryable(), "{e:?}");
+                failed = Some(r.clone());
+                break;
+            }
+        }
+        let victim = failed.expect("no run lived on the killed master");
+        transient("claim", s.claim(&victim, "node-a", TTL)).await;
+        transient("renew", async {
+            let lease = Lease {
+                run_id: victim.clone(),
+                owner: "node-a".into(),
+                token: 1,
+            };
+            s.renew_leases("node-a", &[lease], TTL).await
+        })
+        .await;
+
+        cluster.restart(0).await;
+        // The master is back (empty: no persistence); the store works again on every slot.
+        eventually(
+            "the store to reach every master",
+            Duration::from_secs(20),
+            || async { s.load(&victim).await.ok() },
+        )
+        .await;
+        let run = created(&s, "t1").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+        let c = s.load(&run).await.unwrap().unwrap();
+        step(&s, &lease, &c).await;
+        let leases: Vec<Lease> = {
+            let mut v = Vec::new();
+            for r in &runs {
+                if let Ok(l) = s.claim(r, "node-a", TTL).await {
+                    v.push(l);
+                }
+            }
+            v
+        };
+        assert!(!leases.is_empty());
+        assert!(
+            s.renew_leases("node-a", &leases, TTL)
+                .await
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_redis_is_retryable_then_recovers() {
+        let Some(redis) = PrivateRedis::start().await else {
+            return;
+        };
+        let s = RedisStore::open(
+            RedisConfig::new(redis.url())
+                .namespace("busy")
+                .op_timeout(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+        let run = created(&s, "t1").await;
+        let client = ::redis::Client::open(redis.url()).unwrap();
+        let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = ::redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("busy-reply-threshold")
+            .arg(50)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        // A script that keeps the server busy for 1.5 s; others get BUSY meanwhile.
+        let hog = tokio::spawn(async move {
+            let mut con = client.get_multiplexed_async_connection().await.unwrap();
+            let _: ::redis::RedisResult<i64> = ::redis::cmd("EVAL")
+                .arg(
+                    "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] \
+                     repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - s > 1500000 \
+                     return 1",
+                )
+                .arg(0)
+                .query_async(&mut con)
+                .await;
+        });
+        let busy = eventually(
+            "the server to answer BUSY",
+            Duration::from_secs(5),
+            || async {
+                match s.load(&run).await {
+                    Err(e) if e.to_string().contains("BUSY") => Some(e),
+                    _ => None,
+                }
+            },
+        )
+        .await;
+        assert!(busy.is_retryable(), "{busy:?}");
+        hog.await.unwrap();
+        eventually(
+            "the store to answer again",
+            Duration::from_secs(10),
+            || async { s.load(&run).await.ok().flatten() },
+        )
+        .await;
+    }
+}
+
 mod redis_concurrency {
     use super::*;
     use crate::redis_support::{drop_namespace, shared_redis};
@@ -1457,4 +1619,304 @@ mod redis_concurrency {
         eprintln!("redis store: 1 run x {n} sequential commits: {rate:.0} commits/s");
         drop_namespace(s.keys().namespace()).await;
     }
+}
+
+/// Redis and Redis Cluster only: the indexes no script touches.
+mod redis_indexes {
+    use super::*;
+    use agentd::store::redis::RedisStore;
+
+    async fn raw(s: &RedisStore, cmd: &mut ::redis::Cmd, url: &str) -> ::redis::Value {
+        // A plain client on the same server (for a cluster, any node redirects us).
+        if let Some(nodes) = url.strip_prefix("redis+cluster://") {
+            let nodes: Vec<String> = nodes.split(',').map(|h| format!("redis://{h}")).collect();
+            let client = ::redis::cluster::ClusterClient::new(nodes).unwrap();
+            let mut con = client.get_async_connection().await.unwrap();
+            return cmd.query_async(&mut con).await.unwrap();
+        }
+        let _ = s;
+        let client = ::redis::Client::open(url).unwrap();
+        let mut con = client.get_multiplexed_async_connection().await.unwrap();
+        cmd.query_async(&mut con).await.unwrap()
+    }
+
+    /// Index entries for runs that never got a checkpoint (their creator crashed between the
+    /// index write and the create) are skipped and removed when old; a client key that maps to
+    /// such a run answers `Existing`, and creating that run with the key writes it.
+    async fn dangling_entries_and_orphan_client_keys(s: &RedisStore, url: &str) {
+        let k = s.keys().clone();
+        let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+        let live = created(s, &tenant).await;
+        let ghost = ancient_id();
+        raw(
+            s,
+            ::redis::cmd("SADD").arg(k.active()).arg(ghost.as_str()),
+            url,
+        )
+        .await;
+        raw(
+            s,
+            ::redis::cmd("ZADD")
+                .arg(k.tenant_runs(&tenant))
+                .arg(0)
+                .arg(ghost.as_str()),
+            url,
+        )
+        .await;
+        let active = s.active_runs().await.unwrap();
+        assert!(active.contains(&live) && !active.contains(&ghost));
+        let page = s
+            .list_runs(&tenant, &RunFilter::default(), None, 10)
+            .await
+            .unwrap();
+        assert_eq!(
+            page.items
+                .iter()
+                .map(|c| c.run_id.clone())
+                .collect::<Vec<_>>(),
+            vec![live.clone()]
+        );
+        let in_active = raw(
+            s,
+            ::redis::cmd("SISMEMBER")
+                .arg(k.active())
+                .arg(ghost.as_str()),
+            url,
+        )
+        .await;
+        assert_eq!(in_active, ::redis::Value::Int(0), "cleaned from active");
+        let in_tenant = raw(
+            s,
+            ::redis::cmd("ZSCORE")
+                .arg(k.tenant_runs(&tenant))
+                .arg(ghost.as_str()),
+            url,
+        )
+        .await;
+        assert_eq!(
+            in_tenant,
+            ::redis::Value::Nil,
+            "cleaned from the tenant index"
+        );
+
+        // A client key whose run was never written.
+        let orphan = RunId::generate();
+        raw(
+            s,
+            ::redis::cmd("SET")
+                .arg(k.client_key(&tenant, "ck"))
+                .arg(orphan.as_str()),
+            url,
+        )
+        .await;
+        let other = RunId::generate();
+        assert_eq!(
+            s.create(&ckpt(&other, &tenant, 1), &[ev(1)], Some("ck"))
+                .await
+                .unwrap(),
+            CreateOutcome::Existing(orphan.clone())
+        );
+        assert_eq!(s.load(&orphan).await.unwrap(), None);
+        assert_eq!(
+            s.create(&ckpt(&orphan, &tenant, 1), &[ev(1)], Some("ck"))
+                .await
+                .unwrap(),
+            CreateOutcome::Created
+        );
+        assert!(s.load(&orphan).await.unwrap().is_some());
+        assert!(s.active_runs().await.unwrap().contains(&orphan));
+        assert_eq!(s.load(&other).await.unwrap(), None);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn single() {
+        let Some(s) = crate::redis_support::shared_redis(|c| c).await else {
+            return;
+        };
+        dangling_entries_and_orphan_client_keys(&s, &crate::redis_support::shared_redis_url())
+            .await;
+        crate::redis_support::drop_namespace(s.keys().namespace()).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cluster() {
+        let Some(cluster) = crate::cluster_support::LocalCluster::start().await else {
+            return;
+        };
+        let s = cluster.store(|c| c).await;
+        dangling_entries_and_orphan_client_keys(&s, &cluster.url()).await;
+    }
+
+    /// Commits on a cluster: many runs committing at once, each with its own versions
+    /// and a gap-free log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cluster_concurrent_commits() {
+        let Some(cluster) = crate::cluster_support::LocalCluster::start().await else {
+            return;
+        };
+        let s = cluster.store(|c| c).await;
+        super::redis_concurrency::drive(Arc::new(s), 200, 5, 100).await;
+    }
+}
+
+/// Commits/s on a local three-master cluster (same knobs as
+/// `redis_concurrency::throughput_figures`; defaults 500 runs x 10 commits of 2048 B). On a
+/// cluster commits go out directly, concurrent ones sharing the per-node connections. Figures
+/// only; nothing is asserted on timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_throughput_figures() {
+    let var = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (runs, commits, body) = (
+        var("STORE_BENCH_RUNS", 500),
+        var("STORE_BENCH_COMMITS", 10) as u64,
+        var("STORE_BENCH_BODY", 2048),
+    );
+    let Some(cluster) = crate::cluster_support::LocalCluster::start().await else {
+        return;
+    };
+    let s = cluster.store(|c| c).await;
+    let rate = redis_concurrency::drive(Arc::new(s), runs, commits, body).await;
+    eprintln!(
+        "redis cluster store (3 masters): {runs} runs x {commits} commits of {body} B bodies: \
+         {rate:.0} commits/s"
+    );
+}
+
+/// Lease renewal: one script per lease plus one ZADD per call, in one round trip; and the
+/// figures for the notes (commands per second per 1,000 live runs, time of one renewal of
+/// 1,000 leases) on a private single Redis and on a local cluster. Set `RENEW_BENCH_LEASES`
+/// (default 1000) and `RENEW_BENCH_ROUNDS` (default 20). Figures only; nothing is asserted on
+/// timing.
+mod renewal_figures {
+    use super::*;
+    use crate::cluster_support::{LocalCluster, commandstats_calls};
+    use crate::redis_support::PrivateRedis;
+    use agentd::store::redis::{RedisConfig, RedisStore};
+
+    fn env(name: &str, default: usize) -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+
+    async fn leased(s: &RedisStore, n: usize) -> Vec<Lease> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let run = created(s, "bench").await;
+            out.push(s.claim(&run, "node-a", TTL).await.unwrap());
+        }
+        out
+    }
+
+    /// Renews `leases` `rounds` times; returns (median, max) of one call, and checks nothing
+    /// was lost.
+    async fn time_renewals(
+        s: &RedisStore,
+        leases: &[Lease],
+        rounds: usize,
+    ) -> (Duration, Duration) {
+        let mut times = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let start = Instant::now();
+            let lost = s.renew_leases("node-a", leases, TTL).await.unwrap();
+            times.push(start.elapsed());
+            assert!(lost.is_empty(), "{lost:?}");
+        }
+        times.sort();
+        (times[times.len() / 2], times[times.len() - 1])
+    }
+
+    fn report(kind: &str, n: usize, calls: (u64, u64), times: (Duration, Duration)) {
+        // Renewal every ttl/3: per second, (commands per call) / (ttl/3), per 1,000 runs.
+        let per_call = calls.0 + calls.1;
+        let interval = TTL.as_secs_f64() / 3.0;
+        let per_sec_per_1000 = per_call as f64 / interval * 1000.0 / n as f64;
+        eprintln!(
+            "renewal on {kind}: {n} leases -> {} EVALSHA + {} ZADD per call; ttl {:?}, every \
+             ttl/3: {per_sec_per_1000:.0} commands/s per 1,000 live runs; one call: median \
+             {:?}, max {:?}",
+            calls.0, calls.1, TTL, times.0, times.1
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn single_redis() {
+        let Some(redis) = PrivateRedis::start().await else {
+            return;
+        };
+        let n = env("RENEW_BENCH_LEASES", 1000);
+        let rounds = env("RENEW_BENCH_ROUNDS", 20);
+        let s = RedisStore::open(RedisConfig::new(redis.url()).namespace("renew"))
+            .await
+            .unwrap();
+        let leases = leased(&s, n).await;
+        let stats = || {
+            let out = Command::new("redis-cli")
+                .arg("-s")
+                .arg(redis.socket())
+                .args(["info", "commandstats"])
+                .output()
+                .unwrap();
+            let info = String::from_utf8_lossy(&out.stdout).into_owned();
+            (
+                commandstats_calls(&info, "evalsha"),
+                commandstats_calls(&info, "zadd"),
+            )
+        };
+        let before = stats();
+        s.renew_leases("node-a", &leases, TTL).await.unwrap();
+        let after = stats();
+        let calls = (after.0 - before.0, after.1 - before.1);
+        assert_eq!(
+            calls,
+            (n as u64, 1),
+            "one script per lease, one ZADD per call"
+        );
+        report(
+            "single Redis",
+            n,
+            calls,
+            time_renewals(&s, &leases, rounds).await,
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cluster() {
+        let Some(cluster) = LocalCluster::start().await else {
+            return;
+        };
+        let n = env("RENEW_BENCH_LEASES", 1000);
+        let rounds = env("RENEW_BENCH_ROUNDS", 20);
+        let s = cluster.store(|c| c).await;
+        let leases = leased(&s, n).await;
+        let stats = || {
+            (
+                cluster.command_calls("evalsha"),
+                cluster.command_calls("zadd"),
+            )
+        };
+        let before = stats();
+        s.renew_leases("node-a", &leases, TTL).await.unwrap();
+        let after = stats();
+        let calls = (after.0 - before.0, after.1 - before.1);
+        assert_eq!(
+            calls,
+            (n as u64, 1),
+            "one script per lease, one ZADD per call"
+        );
+        report(
+            "a 3-master cluster",
+            n,
+            calls,
+            time_renewals(&s, &leases, rounds).await,
+        );
+    }
+
+    use std::process::Command;
 }
