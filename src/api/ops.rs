@@ -8,7 +8,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use super::AppState;
-use super::dto::{AgentDto, AgentListDto, HealthDto};
+use super::dto::{AgentDto, AgentListDto, HealthDto, QuarantinedRunDto};
 use super::error::ApiError;
 
 /// `GET /v1/agents`: every configured agent with its tools (the same for every tenant).
@@ -22,10 +22,11 @@ pub async fn agents(State(s): State<AppState>) -> Json<AgentListDto> {
 pub async fn healthz() -> Json<HealthDto> {
     Json(HealthDto {
         status: "ok".into(),
+        quarantined: Vec::new(),
     })
 }
 
-/// `GET /readyz`: started, not draining, and the store answers.
+/// `GET /readyz`: started, not draining, and the store answers; lists quarantined runs.
 pub async fn readyz(State(s): State<AppState>) -> Result<Json<HealthDto>, ApiError> {
     if !s.ready.load(Ordering::SeqCst) {
         return Err(ApiError::unavailable(
@@ -43,8 +44,18 @@ pub async fn readyz(State(s): State<AppState>) -> Result<Json<HealthDto>, ApiErr
             _ => ApiError::unavailable("store_unavailable", "the store is unreachable"),
         }
     })?;
+    let quarantined = s
+        .runtime
+        .quarantined()
+        .into_iter()
+        .map(|(id, reason)| QuarantinedRunDto {
+            id: id.to_string(),
+            reason: s.runtime.redactor().redact_then_cut(&reason, 300),
+        })
+        .collect();
     Ok(Json(HealthDto {
         status: "ready".into(),
+        quarantined,
     }))
 }
 

@@ -516,3 +516,75 @@ async fn invented_methods_share_one_metrics_label() {
     );
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_checkpoint_is_quarantined_and_every_other_run_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file:{}", dir.path().join("data").display());
+    let configure = |c: &mut Config| {
+        c.store.url = url.clone();
+        // Under a limit, start-up reads every active checkpoint (to count them).
+        c.limits.max_active_runs_per_tenant = 100;
+    };
+    let d = TestDaemon::start_with(configure).await;
+    let done = d.create(ALPHA, "quick").await;
+    d.wait_status(ALPHA, &done, "succeeded").await;
+    let waiting = d.create(ALPHA, "hang").await;
+    d.stop().await;
+
+    // A run whose record is there but whose state does not decode, active and listed.
+    let bad = agentd::ids::RunId::generate();
+    {
+        let store = agentd::store::open(&url).await.unwrap();
+        let checkpoint = agentd::store::Checkpoint {
+            run_id: bad.clone(),
+            tenant: "alpha".into(),
+            agent: "quick".into(),
+            status: "running".into(),
+            terminal: false,
+            version: 1,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            body: r#"{"not":"a run"}"#.into(),
+        };
+        let created = agentd::store::EventRecord {
+            seq: 1,
+            at_ms: 1,
+            kind: "run_created".into(),
+            data: json!({}),
+        };
+        store.create(&checkpoint, &[created], None).await.unwrap();
+    }
+
+    let d = TestDaemon::start_with(configure).await;
+    let (s, v) = d.get("/v1/runs", ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let ids: Vec<&str> = v["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2, "{v}");
+    assert!(ids.contains(&done.as_str()) && ids.contains(&waiting.as_str()));
+    let (s, v) = d.get(&format!("/v1/runs/{waiting}"), ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, ready) = d.get("/readyz", ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{ready}");
+    assert_eq!(ready["quarantined"][0]["id"], bad.to_string(), "{ready}");
+    assert!(ready["quarantined"][0]["reason"].is_string(), "{ready}");
+    let metrics = d
+        .http
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("agentd_runs_quarantined_total 1\n"),
+        "{metrics}"
+    );
+    d.stop().await;
+}
