@@ -4,7 +4,8 @@
 //! Middleware, outermost first: sensitive `Authorization` (never logged), request id
 //! (`x-request-id`, generated as a UUIDv7 when absent, echoed back), the trace span (request id,
 //! method, route, tenant), HTTP request counters, panic catcher (500 `internal`), request
-//! timeout (408, not applied to SSE), and on `/v1` routes the bearer-token check.
+//! timeout (408; only an SSE stream of the events route is exempt), and on `/v1` routes the
+//! bearer-token check. HTTP metrics label standard methods by name and any other as `other`.
 
 pub mod approvals;
 pub mod auth;
@@ -207,8 +208,22 @@ pub fn wants_sse(headers: &HeaderMap) -> bool {
         .any(|v| v.contains("text/event-stream"))
 }
 
+/// The one route that streams (SSE) when asked to.
+const STREAMING_ROUTE: &str = "/v1/runs/{id}/events";
+
+/// Whether this request opens an SSE stream: the streaming route, asked for a stream. Only
+/// such a request may outlive the request timeout.
+fn opens_stream(req: &Request) -> bool {
+    req.method() == axum::http::Method::GET
+        && req
+            .extensions()
+            .get::<MatchedPath>()
+            .is_some_and(|p| p.as_str() == STREAMING_ROUTE)
+        && wants_sse(req.headers())
+}
+
 async fn timeout_unless_sse(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    if wants_sse(req.headers()) {
+    if opens_stream(&req) {
         return next.run(req).await;
     }
     match tokio::time::timeout(s.limits.request_timeout, next.run(req)).await {
@@ -222,14 +237,30 @@ async fn timeout_unless_sse(State(s): State<AppState>, req: Request, next: Next)
     }
 }
 
+/// The method as a metric label: the standard ones by name, any other as `other`, so invented
+/// methods cannot grow `/metrics`.
+fn method_label(method: &axum::http::Method) -> &'static str {
+    use axum::http::Method as M;
+    match *method {
+        M::GET => "GET",
+        M::POST => "POST",
+        M::PUT => "PUT",
+        M::DELETE => "DELETE",
+        M::PATCH => "PATCH",
+        M::HEAD => "HEAD",
+        M::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
 async fn count_requests(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    let method = req.method().as_str().to_owned();
+    let method = method_label(req.method());
     let route = req
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let res = next.run(req).await;
-    s.http.record(&method, &route, res.status().as_u16());
+    s.http.record(method, &route, res.status().as_u16());
     res
 }
 

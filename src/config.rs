@@ -86,6 +86,13 @@ pub struct ServerConfig {
     /// Interval of SSE keep-alive comments.
     #[serde(with = "crate::config_duration")]
     pub sse_keep_alive: Duration,
+    /// A request's headers must arrive within this, counted from when the connection is ready
+    /// for one (accepted, or idle after a response): it bounds slow senders and idle
+    /// keep-alive connections alike.
+    #[serde(with = "crate::config_duration")]
+    pub header_read_timeout: Duration,
+    /// Open HTTP connections at most; beyond that new ones wait in the listen backlog.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -94,6 +101,8 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:7700".into(),
             shutdown_timeout: Duration::from_secs(10),
             sse_keep_alive: Duration::from_secs(15),
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 4096,
         }
     }
 }
@@ -826,6 +835,15 @@ impl Config {
             })?;
         if self.server.shutdown_timeout.is_zero() {
             return Err(invalid("server.shutdown_timeout", "must be more than 0s"));
+        }
+        if self.server.header_read_timeout.is_zero() {
+            return Err(invalid(
+                "server.header_read_timeout",
+                "must be more than 0s",
+            ));
+        }
+        if self.server.max_connections == 0 {
+            return Err(invalid("server.max_connections", "must be at least 1"));
         }
         if self.server.sse_keep_alive.is_zero() {
             return Err(invalid("server.sse_keep_alive", "must be more than 0s"));

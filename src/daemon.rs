@@ -8,8 +8,9 @@
 //! SIGTERM/SIGINT. Tests call this directly on `127.0.0.1:0`.
 
 pub mod parts;
+pub mod serve;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -96,11 +97,11 @@ pub async fn run_with(
     let app = api::router(state.clone());
     let addr = listener.local_addr()?;
     let stop = state.shutdown.clone();
-    let mut server = tokio::spawn(
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop.clone().cancelled_owned())
-            .into_future(),
-    );
+    let limits = serve::ServerLimits {
+        header_read_timeout: config.server.header_read_timeout,
+        max_connections: config.server.max_connections,
+    };
+    let mut server = tokio::spawn(serve::serve(listener, app, limits, stop.clone()));
     state.ready.store(true, Ordering::SeqCst);
     // Watch the store's epoch marker, so a store that lost its data is noticed even when no
     // one probes /readyz.

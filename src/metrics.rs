@@ -87,6 +87,8 @@ pub struct Metrics {
     pub lease_renewal_failures: AtomicU64,
     /// Runs whose lease this node found taken by another node.
     pub leases_lost: AtomicU64,
+    /// Runs left out because their stored record cannot be read.
+    pub runs_quarantined: AtomicU64,
 }
 
 fn status_index(s: Status) -> usize {
@@ -142,6 +144,11 @@ impl Metrics {
                 "agentd_tool_errors_total",
                 "Tool calls that returned an error.",
                 &self.tool_errors,
+            ),
+            (
+                "agentd_runs_quarantined_total",
+                "Runs left out because their stored record cannot be read (see /readyz).",
+                &self.runs_quarantined,
             ),
         ] {
             let _ = writeln!(

@@ -277,6 +277,8 @@ struct Inner {
     store_reset: std::sync::Mutex<Option<String>>,
     /// Stops this node's lease, takeover and wake-up loops.
     ownership: ownership::Ownership,
+    /// Runs whose stored record cannot be read, with why: skipped, everything else served.
+    quarantined: std::sync::Mutex<std::collections::BTreeMap<RunId, String>>,
 }
 
 /// A cheap-to-clone handle to a running runtime.
@@ -405,6 +407,7 @@ impl Runtime {
             config,
             store_epoch,
             store_reset: std::sync::Mutex::new(None),
+            quarantined: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             ownership,
         });
         let handle = RuntimeHandle { inner };
@@ -468,8 +471,25 @@ impl RuntimeHandle {
         // every checkpoint twice (the run's actor reads it anyway).
         let counted = self.inner.config.max_active_runs_per_tenant.is_some();
         for id in ids {
-            if counted && let Some(cp) = self.inner.deps.store.load(&id).await? {
-                self.count_active(&cp.tenant, 1);
+            if counted {
+                // An unreadable checkpoint is quarantined, not a reason to refuse to start.
+                match self.inner.deps.store.load(&id).await {
+                    Ok(Some(cp)) => match state_of(&cp) {
+                        Ok(_) => {
+                            self.count_active(&cp.tenant, 1);
+                        }
+                        Err(e) => {
+                            self.quarantine(&id, format!("its checkpoint does not decode: {e}"));
+                            continue;
+                        }
+                    },
+                    Ok(None) => {}
+                    Err(store::Error::Corrupt(e)) => {
+                        self.quarantine(&id, e);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             let _ = self.inner.supervisor.cast(SupervisorMsg::Start {
                 id,
@@ -645,13 +665,51 @@ impl RuntimeHandle {
             .store
             .list_runs(tenant, filter, cursor, limit)
             .await?;
+        // A run whose checkpoint does not decode is quarantined and left out; the rest of
+        // the page is served.
         let runs = page
             .items
             .iter()
-            .map(state_of)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| Error::Store(store::Error::Corrupt(e.to_string())))?;
+            .filter_map(|cp| match state_of(cp) {
+                Ok(run) => Some(run),
+                Err(e) => {
+                    self.quarantine(&cp.run_id, format!("its checkpoint does not decode: {e}"));
+                    None
+                }
+            })
+            .collect();
         Ok((runs, page.next_cursor))
+    }
+
+    /// Records a run whose stored record cannot be read: logged and counted once, reported by
+    /// [`RuntimeHandle::quarantined`] (and so by `/readyz`).
+    fn quarantine(&self, id: &RunId, reason: String) {
+        let mut q = self
+            .inner
+            .quarantined
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if q.contains_key(id) {
+            return;
+        }
+        tracing::error!(run_id = %id, %reason, "quarantined a run whose record cannot be read; every other run is served");
+        self.inner
+            .deps
+            .metrics
+            .runs_quarantined
+            .fetch_add(1, Ordering::Relaxed);
+        q.insert(id.clone(), reason);
+    }
+
+    /// Runs quarantined since start, with why (bounded by what the store holds).
+    pub fn quarantined(&self) -> Vec<(RunId, String)> {
+        self.inner
+            .quarantined
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(id, why)| (id.clone(), why.clone()))
+            .collect()
     }
 
     /// Every call of the tenant's runs that waits for an operator (the approvals inbox), oldest

@@ -294,6 +294,16 @@ pub struct AgentListDto {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthDto {
     pub status: String,
+    /// `/readyz`: runs whose stored record cannot be read; every other run is served.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quarantined: Vec<QuarantinedRunDto>,
+}
+
+/// A run left out because its stored record cannot be read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuarantinedRunDto {
+    pub id: String,
+    pub reason: String,
 }
 
 /// `GET /v1/approvals` query.

@@ -9,7 +9,7 @@ use axum::{Extension, Json};
 
 use super::AppState;
 use super::auth::Principal;
-use super::dto::{AgentDto, AgentListDto, HealthDto};
+use super::dto::{AgentDto, AgentListDto, HealthDto, QuarantinedRunDto};
 use super::error::ApiError;
 
 /// `GET /v1/agents`: the agents the tenant may use (`[[tenants]] agents`, default all), with
@@ -33,10 +33,11 @@ pub async fn agents(
 pub async fn healthz() -> Json<HealthDto> {
     Json(HealthDto {
         status: "ok".into(),
+        quarantined: Vec::new(),
     })
 }
 
-/// `GET /readyz`: started, not draining, and the store answers.
+/// `GET /readyz`: started, not draining, and the store answers; lists quarantined runs.
 pub async fn readyz(State(s): State<AppState>) -> Result<Json<HealthDto>, ApiError> {
     if !s.ready.load(Ordering::SeqCst) {
         return Err(ApiError::unavailable(
@@ -54,8 +55,18 @@ pub async fn readyz(State(s): State<AppState>) -> Result<Json<HealthDto>, ApiErr
             _ => ApiError::unavailable("store_unavailable", "the store is unreachable"),
         }
     })?;
+    let quarantined = s
+        .runtime
+        .quarantined()
+        .into_iter()
+        .map(|(id, reason)| QuarantinedRunDto {
+            id: id.to_string(),
+            reason: s.runtime.redactor().redact_then_cut(&reason, 300),
+        })
+        .collect();
     Ok(Json(HealthDto {
         status: "ready".into(),
+        quarantined,
     }))
 }
 

@@ -381,3 +381,210 @@ async fn bodies_that_are_not_json_objects_are_refused() {
     assert_eq!(v["status"], "running", "{v}");
     d.stop().await;
 }
+
+/// Writes a request head one byte every `every` and never finishes it; returns how long the
+/// server kept the connection open (`None`: still open after `give_up`).
+async fn trickle_headers(
+    addr: std::net::SocketAddr,
+    every: Duration,
+    give_up: Duration,
+) -> Option<Duration> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let started = Instant::now();
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: ";
+    let mut sent = 0usize;
+    let mut buf = [0u8; 256];
+    let mut tick = tokio::time::interval(every);
+    while started.elapsed() < give_up {
+        tokio::select! {
+            _ = tick.tick() => {
+                let byte = head.get(sent).copied().unwrap_or(b'a');
+                sent += 1;
+                if stream.write_all(&[byte]).await.is_err() {
+                    return Some(started.elapsed());
+                }
+            }
+            read = stream.read(&mut buf) => match read {
+                // Closed by the server (an answer such as 408 may come first).
+                Ok(0) | Err(_) => return Some(started.elapsed()),
+                Ok(_) => {}
+            },
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_header_senders_are_closed_in_time_and_healthz_keeps_answering() {
+    const SLOW: usize = 1000;
+    let header_timeout = Duration::from_secs(1);
+    let d = TestDaemon::start_with(|c| c.server.header_read_timeout = header_timeout).await;
+    let addr = d.addr;
+    let slow: Vec<_> = (0..SLOW)
+        .map(|_| {
+            tokio::spawn(trickle_headers(
+                addr,
+                Duration::from_millis(100),
+                Duration::from_secs(15),
+            ))
+        })
+        .collect();
+    // Meanwhile the daemon keeps answering (latency is measured by the hostile-load script).
+    let mut answered = 0;
+    let until = Instant::now() + header_timeout;
+    while Instant::now() < until {
+        let res = d.http.get(d.url("/healthz")).send().await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        answered += 1;
+    }
+    assert!(answered > 0);
+    let mut open_for = Vec::new();
+    for t in slow {
+        open_for.push(
+            t.await
+                .unwrap()
+                .expect("a slow connection was never closed"),
+        );
+    }
+    let longest = open_for.iter().max().unwrap();
+    // The timer starts at accept; allow for a loaded machine, not for "never".
+    assert!(
+        *longest < header_timeout * 4,
+        "a slow connection stayed open {longest:?}"
+    );
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn asking_for_a_stream_does_not_lift_the_request_timeout_elsewhere() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let d = TestDaemon::start_with(|c| c.limits.request_timeout = Duration::from_millis(300)).await;
+    // A body that never completes, on a route that does not stream.
+    let mut stream = tokio::net::TcpStream::connect(d.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {ALPHA}\r\n\
+         Accept: text/event-stream\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"agent\":"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let n = stream.read(&mut buf).await.unwrap_or(0);
+            answer.extend_from_slice(&buf[..n]);
+            if n == 0 || answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no answer: the request timeout was skipped");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn invented_methods_share_one_metrics_label() {
+    let d = TestDaemon::start().await;
+    for i in 0..20 {
+        let method = reqwest::Method::from_bytes(format!("INVENTED{i}").as_bytes()).unwrap();
+        let res = d
+            .http
+            .request(method, d.url("/healthz"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::METHOD_NOT_ALLOWED);
+    }
+    let text = d
+        .http
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!text.contains("INVENTED"), "{text}");
+    assert!(
+        text.contains(
+            r#"agentd_http_requests_total{method="other",route="/healthz",status="405"} 20"#
+        ),
+        "{text}"
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_checkpoint_is_quarantined_and_every_other_run_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file:{}", dir.path().join("data").display());
+    let configure = |c: &mut Config| {
+        c.store.url = url.clone();
+        // Under a limit, start-up reads every active checkpoint (to count them).
+        c.limits.max_active_runs_per_tenant = 100;
+    };
+    let d = TestDaemon::start_with(configure).await;
+    let done = d.create(ALPHA, "quick").await;
+    d.wait_status(ALPHA, &done, "succeeded").await;
+    let waiting = d.create(ALPHA, "hang").await;
+    d.stop().await;
+
+    // A run whose record is there but whose state does not decode, active and listed.
+    let bad = agentd::ids::RunId::generate();
+    {
+        let store = agentd::store::open(&url).await.unwrap();
+        let checkpoint = agentd::store::Checkpoint {
+            run_id: bad.clone(),
+            tenant: "alpha".into(),
+            agent: "quick".into(),
+            status: "running".into(),
+            terminal: false,
+            version: 1,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            body: r#"{"not":"a run"}"#.into(),
+        };
+        let created = agentd::store::EventRecord {
+            seq: 1,
+            at_ms: 1,
+            kind: "run_created".into(),
+            data: json!({}),
+        };
+        store.create(&checkpoint, &[created], None).await.unwrap();
+    }
+
+    let d = TestDaemon::start_with(configure).await;
+    let (s, v) = d.get("/v1/runs", ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let ids: Vec<&str> = v["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2, "{v}");
+    assert!(ids.contains(&done.as_str()) && ids.contains(&waiting.as_str()));
+    let (s, v) = d.get(&format!("/v1/runs/{waiting}"), ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, ready) = d.get("/readyz", ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{ready}");
+    assert_eq!(ready["quarantined"][0]["id"], bad.to_string(), "{ready}");
+    assert!(ready["quarantined"][0]["reason"].is_string(), "{ready}");
+    let metrics = d
+        .http
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("agentd_runs_quarantined_total 1\n"),
+        "{metrics}"
+    );
+    d.stop().await;
+}
