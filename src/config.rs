@@ -111,7 +111,8 @@ impl Default for ServerConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
-    /// `memory:` (nothing survives a restart), `file:./data` (embedded) or `redis://…`.
+    /// `memory:` (nothing survives a restart), `file:./data` (embedded), `redis://…` or
+    /// `redis+cluster://host:port,…`.
     pub url: String,
 }
 
