@@ -788,7 +788,7 @@ async fn wakeups_block_time_out_and_deliver(s: &dyn Store) {
     let run = created(s, "t1").await;
     let reader = async {
         let start = Instant::now();
-        let r = s.wakeups(&node, &cursor, Duration::from_secs(10)).await;
+        let r = s.wakeups(&node, &cursor, Duration::from_secs(30)).await;
         (r, start.elapsed())
     };
     let others = async {
@@ -804,9 +804,10 @@ async fn wakeups_block_time_out_and_deliver(s: &dyn Store) {
     let ((woken, waited), others_took) = tokio::join!(reader, others);
     let (woken, _) = woken.unwrap();
     assert_eq!(woken, vec![r3]);
-    assert!(waited < Duration::from_secs(5), "not woken: {waited:?}");
+    // Generous bounds for a loaded machine, far below the 30 s block: a stall would show.
+    assert!(waited < Duration::from_secs(15), "not woken: {waited:?}");
     assert!(
-        others_took < Duration::from_secs(2),
+        others_took < Duration::from_secs(10),
         "store traffic waited for the blocked read: {others_took:?}"
     );
 }
