@@ -53,6 +53,8 @@ pub struct AppState {
     /// Cancelled when shutdown begins: SSE streams end.
     pub shutdown: CancellationToken,
     pub http: Arc<HttpMetrics>,
+    /// Open SSE streams per tenant (bounded by `limits.max_streams_per_tenant`).
+    pub open_streams: Arc<DashMap<String, usize>>,
 }
 
 /// One route of the API. The router, the OpenAPI test and the tenant-isolation test are all

@@ -93,6 +93,10 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Open HTTP connections at most; beyond that new ones wait in the listen backlog.
     pub max_connections: usize,
+    /// A connection whose client takes no bytes for this long, while there are some to send,
+    /// is closed (a reader that stopped reading, e.g. an SSE client).
+    #[serde(with = "crate::config_duration")]
+    pub write_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -103,6 +107,7 @@ impl Default for ServerConfig {
             sse_keep_alive: Duration::from_secs(15),
             header_read_timeout: Duration::from_secs(10),
             max_connections: 4096,
+            write_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -647,6 +652,8 @@ pub struct LimitsConfig {
     pub request_timeout: Duration,
     /// Non-terminal runs per tenant; more are refused with 429. 0 = no limit.
     pub max_active_runs_per_tenant: usize,
+    /// Open SSE event streams per tenant; more are refused with 429. 0 = no limit.
+    pub max_streams_per_tenant: usize,
     /// Largest `limit` of `GET /v1/runs`.
     pub max_page_size: usize,
     /// Caps on the budget a client may ask for.
@@ -665,6 +672,7 @@ impl Default for LimitsConfig {
             max_input_text_bytes: 64 * 1024,
             request_timeout: Duration::from_secs(30),
             max_active_runs_per_tenant: 0,
+            max_streams_per_tenant: 64,
             max_page_size: 100,
             max_turns: 1_000,
             max_tool_calls: 10_000,
@@ -841,6 +849,12 @@ impl Config {
             return Err(invalid(
                 "server.header_read_timeout",
                 "must be more than 0s",
+            ));
+        }
+        if self.server.write_timeout <= self.server.sse_keep_alive {
+            return Err(invalid(
+                "server.write_timeout",
+                "must be longer than server.sse_keep_alive",
             ));
         }
         if self.server.max_connections == 0 {

@@ -93,6 +93,7 @@ pub async fn run_with(
         ready: Arc::new(AtomicBool::new(false)),
         shutdown: CancellationToken::new(),
         http: Arc::new(HttpMetrics::default()),
+        open_streams: Arc::default(),
     };
     let app = api::router(state.clone());
     let addr = listener.local_addr()?;
@@ -100,6 +101,7 @@ pub async fn run_with(
     let limits = serve::ServerLimits {
         header_read_timeout: config.server.header_read_timeout,
         max_connections: config.server.max_connections,
+        write_timeout: config.server.write_timeout,
     };
     let mut server = tokio::spawn(serve::serve(listener, app, limits, stop.clone()));
     state.ready.store(true, Ordering::SeqCst);

@@ -236,8 +236,48 @@ fn sse_event(e: &EventRecord, first: bool) -> Event {
         .unwrap_or_else(|_| Event::default().comment("unserializable event"))
 }
 
+/// One open SSE stream of a tenant, counted against `limits.max_streams_per_tenant` until it
+/// is dropped (with its response body, when the client goes or its connection is closed).
+struct StreamSlot {
+    tenant: String,
+    open: std::sync::Arc<dashmap::DashMap<String, usize>>,
+}
+
+impl StreamSlot {
+    fn take(s: &AppState, tenant: &str) -> Result<Self, ApiError> {
+        let max = s.limits.max_streams_per_tenant;
+        let mut n = s.open_streams.entry(tenant.to_owned()).or_insert(0);
+        if max > 0 && *n >= max {
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_streams",
+                format!(
+                    "the tenant has {max} open event streams, the most allowed; close one first"
+                ),
+            );
+            e.retry_after = Some(1);
+            return Err(e);
+        }
+        *n += 1;
+        Ok(StreamSlot {
+            tenant: tenant.to_owned(),
+            open: s.open_streams.clone(),
+        })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        if let Some(mut n) = self.open.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+        }
+        self.open.remove_if(&self.tenant, |_, n| *n == 0);
+    }
+}
+
 /// `GET /v1/runs/{id}/events?after=N`: JSON, or SSE with `Accept: text/event-stream` (resume
-/// with `Last-Event-ID`, which wins over `after`).
+/// with `Last-Event-ID`, which wins over `after`). At most `limits.max_streams_per_tenant`
+/// streams per tenant are open at once (429 `too_many_streams`).
 pub async fn events(
     State(s): State<AppState>,
     Extension(Tenant(tenant)): Extension<Tenant>,
@@ -266,6 +306,7 @@ pub async fn events(
         ),
     };
     let after = last_event_id.or(q.after).unwrap_or(0);
+    let slot = StreamSlot::take(&s, &tenant)?;
     tracing::debug!(run_id = %id, after, "SSE stream opened");
     // The stream ends by itself after the terminal event (or at once when the client resumes
     // after it).
@@ -293,6 +334,11 @@ pub async fn events(
                 futures::future::ready(Some(Ok(ev)))
             })
             .take_until(s.shutdown.clone().cancelled_owned())
+            // The slot lives as long as the stream.
+            .map(move |ev| {
+                let _held = &slot;
+                ev
+            })
             .boxed()
     };
     Ok(Sse::new(stream)

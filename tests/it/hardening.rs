@@ -588,3 +588,46 @@ async fn a_corrupt_checkpoint_is_quarantined_and_every_other_run_is_served() {
     );
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_event_streams_are_capped_per_tenant() {
+    let d = TestDaemon::start_with(|c| c.limits.max_streams_per_tenant = 3).await;
+    let alpha_run = d.create(ALPHA, "hang").await;
+    let beta_run = d.create(crate::daemon_support::BETA, "hang").await;
+    let open = |token: &'static str, run: String| {
+        let req = d
+            .http
+            .get(d.url(&format!("/v1/runs/{run}/events")))
+            .bearer_auth(token)
+            .header("accept", "text/event-stream");
+        async move { req.send().await.unwrap() }
+    };
+    let mut streams = Vec::new();
+    for _ in 0..3 {
+        let res = open(ALPHA, alpha_run.clone()).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        streams.push(res);
+    }
+    let refused = open(ALPHA, alpha_run.clone()).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.headers().contains_key("retry-after"));
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "too_many_streams", "{body}");
+    // Another tenant is not affected.
+    let beta = open(crate::daemon_support::BETA, beta_run).await;
+    assert_eq!(beta.status(), StatusCode::OK);
+    // A closed stream gives its slot back (once the server notices, at the next keep-alive).
+    drop(streams.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let res = open(ALPHA, alpha_run.clone()).await;
+        if res.status() == StatusCode::OK {
+            break;
+        }
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(Instant::now() < deadline, "the slot never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(streams);
+    d.stop().await;
+}
