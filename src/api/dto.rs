@@ -141,6 +141,9 @@ pub struct RunDto {
     pub error: Option<RunError>,
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub metadata: Value,
+    /// The creating token's scopes; absent: every scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scopes: Option<Vec<String>>,
     pub created_at: String,
     pub updated_at: String,
     pub version: u64,
@@ -185,6 +188,7 @@ impl From<&RunState> for RunDto {
             output: r.output.clone(),
             error: r.error.clone(),
             metadata: r.metadata.clone(),
+            scopes: r.scopes.clone(),
             created_at: rfc3339(r.created_at_ms),
             updated_at: rfc3339(r.updated_at_ms),
             version: r.version,

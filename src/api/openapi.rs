@@ -32,6 +32,13 @@ fn control_responses() -> Value {
     })
 }
 
+/// A decision's answers: a control's, plus 403 for a token without the approver scope.
+fn decide_responses() -> Value {
+    let mut r = control_responses();
+    r["403"] = err("The token has scopes, but not `approve` or `approve:<tool>`.");
+    r
+}
+
 /// The document.
 pub fn document() -> Value {
     json!({
@@ -96,6 +103,7 @@ pub fn document() -> Value {
                         "output": {},
                         "error": { "type": ["object", "null"], "properties": { "code": { "type": "string" }, "message": { "type": "string" } } },
                         "metadata": {},
+                        "scopes": { "type": "array", "items": { "type": "string" }, "description": "The scopes of the token that created the run (absent: every scope)." },
                         "created_at": { "type": "string", "format": "date-time" },
                         "updated_at": { "type": "string", "format": "date-time" },
                         "version": { "type": "integer" }
@@ -195,7 +203,7 @@ pub fn document() -> Value {
                     "operationId": "decideCall", "summary": "Approve or reject one pending tool call, once",
                     "parameters": [id_param(), { "name": "call_id", "in": "path", "required": true, "schema": { "type": "string", "pattern": "^call_[A-Za-z0-9_-]+$" } }],
                     "requestBody": body("Decision", true),
-                    "responses": control_responses()
+                    "responses": decide_responses()
                 }
             },
             "/v1/runs/{id}/input": {

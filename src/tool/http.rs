@@ -1,7 +1,7 @@
 //! HTTP tools: `POST <url>` with the headers `Idempotency-Key`, `X-Agentd-Tenant` and
-//! `X-Agentd-Run-Id` and the body `{"tool","arguments","run_id","call_id"}`, failure classification by what may have been
-//! applied, and reconciliation through `GET <status url>` with the same key (API.md "Tools
-//! over HTTP").
+//! `X-Agentd-Run-Id` and the body `{"tool","arguments","run_id","call_id"}`, failure
+//! classification by what may have been applied, and reconciliation through
+//! `GET <status url>` with the same key (API.md "Tools over HTTP").
 //!
 //! Classification (the question is always "could the effect have been applied?"):
 //!

@@ -240,6 +240,8 @@ async fn scopes_by_tools_by_routes_matrix() {
                         .contains(&v["status"].as_str().unwrap_or_default())
                 })
                 .await;
+            // The run keeps the scopes of the token that created it.
+            assert_eq!(run["scopes"], json!(t.scopes), "{label}: {run}");
             let evs = events(&d, t.secret, &id).await;
             let calls: Vec<Value> = recorded_calls(&evs)
                 .into_iter()
