@@ -1,5 +1,6 @@
 //! Microbenchmarks of the pure core (divan): one transition of the run machine, checkpoint
-//! serialization, and idempotency-key derivation. Run with `cargo bench --bench core`.
+//! serialization, idempotency-key derivation, and a tool guard's checks (scopes, deny rules,
+//! path rule). Run with `cargo bench --bench core`.
 
 use agentd::ids::RunId;
 use agentd::model::{ModelReply, ModelToolCall};
@@ -151,4 +152,59 @@ fn idempotency_key() -> String {
         "restart_service",
         &json!({"service": "api", "force": false, "reason": "deploy 42 failed"}),
     )
+}
+
+/// A guard as a production tool might have: one permission, three deny rules (one a regex),
+/// one path rule.
+fn typical_guard() -> agentd::run::guard::Guard {
+    use agentd::run::guard::{DenyRule, Guard, GuardConfig, PathRule};
+    let rule = |pointer: &str| DenyRule {
+        pointer: pointer.into(),
+        equals: None,
+        one_of: None,
+        prefix: None,
+        regex: None,
+        max_length: None,
+    };
+    let config = GuardConfig {
+        permissions: vec!["deploy:staging".into()],
+        deny: vec![
+            DenyRule {
+                one_of: Some(vec![json!("prod-db"), json!("billing")]),
+                ..rule("/service")
+            },
+            DenyRule {
+                regex: Some("(?i)\\b(drop|truncate)\\b".into()),
+                ..rule("/note")
+            },
+            DenyRule {
+                max_length: Some(256),
+                ..rule("/note")
+            },
+        ],
+        paths: vec![PathRule {
+            pointer: "/file".into(),
+            root: "/srv/data".into(),
+        }],
+        ..GuardConfig::default()
+    };
+    Guard::new(&config).unwrap_or_default()
+}
+
+/// Every check one call of a guarded tool goes through before approval and execution.
+#[divan::bench]
+fn guard_check(bencher: divan::Bencher) {
+    let guard = typical_guard();
+    let scopes = vec!["deploy".to_owned()];
+    let arguments = json!({"service": "web", "note": "restart after the deploy", "file": "logs/./today//web.log"});
+    bencher.bench(|| {
+        let mut a = arguments.clone();
+        divan::black_box(guard.check("restart", Some(&scopes), &mut a)).is_ok()
+    });
+}
+
+/// The path rule alone on a typical relative path.
+#[divan::bench]
+fn guard_check_path() -> bool {
+    agentd::run::guard::check_path("/srv/data", divan::black_box("logs/./today//web%2Elog")).is_ok()
 }
