@@ -34,7 +34,7 @@ use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
-use tower_http::trace::{DefaultOnResponse, TraceLayer};
+use tower_http::trace::TraceLayer;
 
 use crate::config::LimitsConfig;
 use crate::runtime::RuntimeHandle;
@@ -326,20 +326,24 @@ pub fn router(state: AppState) -> Router {
                         .get("x-request-id")
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("");
-                    let route = req
-                        .extensions()
-                        .get::<MatchedPath>()
-                        .map_or("unmatched", |p| p.as_str());
+                    // Every log line of the request carries these; keep them few.
                     tracing::info_span!(
                         "http",
                         request_id,
                         method = %req.method(),
-                        route,
                         path = %req.uri().path(),
                         tenant = tracing::field::Empty,
                     )
                 })
-                .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+                // One short line per request at info; headers and the rest at debug.
+                .on_response(|res: &Response, latency: Duration, _span: &tracing::Span| {
+                    tracing::info!(
+                        status = res.status().as_u16(),
+                        ms = latency.as_millis() as u64,
+                        "answered"
+                    );
+                    tracing::debug!(headers = ?res.headers(), "response headers");
+                }),
         )
         .layer(middleware::from_fn_with_state(
             state.clone(),

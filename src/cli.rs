@@ -111,7 +111,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the daemon. Without --config: the built-in demo (agents `demo` and `demo_approval`,
+    /// Run the daemon. Without --config: the built-in demo (agents `demo`, `demo_approval` and `demo_input`,
     /// tenant `dev` whose token is $AGENTD_TOKEN or a generated one printed at start).
     Serve(ServeArgs),
     /// Start a run of AGENT with INPUT; with --follow, stream its timeline until it ends.
@@ -174,6 +174,10 @@ pub struct ServeArgs {
     /// Store URL; overrides [store] url.
     #[arg(long)]
     pub store: Option<String>,
+    /// Create a `file:` store's directory if it does not exist (otherwise that is an error;
+    /// the built-in demo creates its default ./data).
+    #[arg(long)]
+    pub create_store: bool,
 }
 
 #[derive(Debug, Args)]

@@ -290,6 +290,10 @@ pub struct ModelConfig {
     /// scripted: the reply when no rule matches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_reply: Option<CassetteReply>,
+    /// scripted: a built-in demo script instead of a cassette (`calculator`, `recorder`,
+    /// `interviewer`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub script: Option<crate::model::scripted::DemoScript>,
     /// scripted: delay before each reply.
     #[serde(
         default,
@@ -314,6 +318,7 @@ impl ModelConfig {
             replies: Some(replies),
             rules: None,
             default_reply: None,
+            script: None,
             delay: None,
         }
     }
@@ -767,48 +772,26 @@ impl Config {
     /// The built-in configuration used when no file is given: a `demo` agent on a scripted
     /// model with built-in tools, and a `dev` tenant whose token is `AGENTD_TOKEN`.
     pub fn demo() -> Config {
-        use crate::model::scripted::CassetteCall;
-        use serde_json::json;
-        let call = |name: &str, arguments: Value| CassetteCall {
-            name: name.into(),
-            arguments,
-        };
+        use crate::model::scripted::DemoScript;
         let mut c = Config::default();
         c.tenants.push(TenantConfig {
             id: "dev".into(),
             agents: None,
             tokens: vec![Secret("env:AGENTD_TOKEN".into()).into()],
         });
-        let mut demo = ModelConfig::scripted(vec![
-            CassetteReply {
-                tool_calls: vec![call("add", json!({"a": 20, "b": 22}))],
-                ..CassetteReply::default()
-            },
-            CassetteReply {
-                tool_calls: vec![call("echo", json!({"text": "the answer is 42"}))],
-                ..CassetteReply::default()
-            },
-            CassetteReply {
-                text: Some(
-                    "20 + 22 = 42. I checked it with the add tool and echoed it back.".into(),
-                ),
-                ..CassetteReply::default()
-            },
-        ]);
-        demo.delay = Some(Duration::from_millis(300));
-        c.models.insert("demo".into(), demo);
-        let mut approval = ModelConfig::scripted(vec![
-            CassetteReply {
-                tool_calls: vec![call("record", json!({"item": "deploy 42 restarted"}))],
-                ..CassetteReply::default()
-            },
-            CassetteReply {
-                text: Some("Done: the action was recorded once.".into()),
-                ..CassetteReply::default()
-            },
-        ]);
-        approval.delay = Some(Duration::from_millis(300));
-        c.models.insert("demo_approval".into(), approval);
+        let scripted = |script: DemoScript| {
+            let mut m = ModelConfig::scripted(Vec::new());
+            m.replies = None;
+            m.script = Some(script);
+            m.delay = Some(Duration::from_millis(300));
+            m
+        };
+        c.models
+            .insert("demo".into(), scripted(DemoScript::Calculator));
+        c.models
+            .insert("demo_approval".into(), scripted(DemoScript::Recorder));
+        c.models
+            .insert("demo_input".into(), scripted(DemoScript::Interviewer));
         c.tools.insert("echo".into(), ToolConfig::builtin("echo"));
         c.tools.insert("add".into(), ToolConfig::builtin("add"));
         let mut record = ToolConfig::builtin("counting");
@@ -817,8 +800,9 @@ impl Config {
         record.approval = Some(crate::tool::ApprovalRule::Always);
         c.tools.insert("record".into(), record);
         let mut agent = AgentConfig::new("demo");
-        agent.instructions =
-            "You are the agentd demo agent. Use the tools to check your work.".into();
+        agent.instructions = "You are the agentd demo calculator: add or subtract the two \
+                              numbers in the question with the tools, then answer."
+            .into();
         agent.tools = vec!["add".into(), "echo".into()];
         agent.max_turns = 6;
         c.agents.insert("demo".into(), agent);
@@ -827,6 +811,10 @@ impl Config {
         agent.tools = vec!["record".into()];
         agent.max_turns = 6;
         c.agents.insert("demo_approval".into(), agent);
+        let mut agent = AgentConfig::new("demo_input");
+        agent.instructions = "You ask the user where a change should go, then confirm.".into();
+        agent.max_turns = 4;
+        c.agents.insert("demo_input".into(), agent);
         c
     }
 
@@ -995,6 +983,7 @@ impl Config {
                         ("replies", m.replies.is_some()),
                         ("rules", m.rules.is_some()),
                         ("default_reply", m.default_reply.is_some()),
+                        ("script", m.script.is_some()),
                         ("delay", m.delay.is_some()),
                     ] {
                         if set {
@@ -1006,14 +995,19 @@ impl Config {
                     }
                 }
                 ModelKind::Scripted => {
-                    let sources = [m.cassette.is_some(), m.replies.is_some(), m.rules.is_some()]
-                        .into_iter()
-                        .filter(|b| *b)
-                        .count();
+                    let sources = [
+                        m.cassette.is_some(),
+                        m.replies.is_some(),
+                        m.rules.is_some(),
+                        m.script.is_some(),
+                    ]
+                    .into_iter()
+                    .filter(|b| *b)
+                    .count();
                     if sources != 1 {
                         return Err(invalid(
                             key,
-                            "a scripted model needs exactly one of `cassette`, `replies` or `rules`",
+                            "a scripted model needs exactly one of `cassette`, `replies`, `rules` or `script`",
                         ));
                     }
                     if m.replies.as_ref().is_some_and(Vec::is_empty) {

@@ -32,6 +32,8 @@ pub use parts::{BuildError, Built, build_parts, build_redactor, open_store};
 pub struct Embedded {
     /// Native tools, registered beside the configured ones; agents may list them by name.
     pub tools: Vec<Arc<dyn Tool>>,
+    /// Called once the daemon serves and is ready (e.g. to print "listening").
+    pub on_ready: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// Why the daemon could not start or serve.
@@ -63,6 +65,7 @@ pub async fn run_with(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Error> {
+    let on_ready = embedded.on_ready;
     let extra: Vec<String> = embedded
         .tools
         .iter()
@@ -105,6 +108,9 @@ pub async fn run_with(
     };
     let mut server = tokio::spawn(serve::serve(listener, app, limits, stop.clone()));
     state.ready.store(true, Ordering::SeqCst);
+    if let Some(ready) = on_ready {
+        ready();
+    }
     // Watch the store's epoch marker, so a store that lost its data is noticed even when no
     // one probes /readyz.
     let watch = {

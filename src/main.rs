@@ -11,6 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use agentd::cli::{self, Cli, Command, LogFormat, ServeArgs};
 use agentd::config::{Config, Secret};
 use agentd::redact::RedactingWriter;
+use anyhow::Context as _;
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 
@@ -20,7 +21,16 @@ fn init_tracing(format: LogFormat, serve: bool) {
     // Every line passes the configured redactor (installed by the daemon at start).
     let stdout = || RedactingWriter::new(std::io::stdout());
     let stderr = || RedactingWriter::new(std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colour only for a person at a terminal: files and pipes get plain text.
+    use std::io::IsTerminal as _;
+    let ansi = if serve {
+        std::io::stdout().is_terminal()
+    } else {
+        std::io::stderr().is_terminal()
+    } && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
     let _ = match (format, serve) {
         (LogFormat::Json, true) => builder
             .json()
@@ -60,11 +70,31 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(l) = args.listen {
         config.server.listen = l;
     }
+    let store_given = args.store.is_some();
     if let Some(s) = args.store {
         config.store.url = s;
     }
-    if args.config.is_none() && std::env::var("AGENTD_TOKEN").is_err() {
-        let token = format!("agentd_dev_{}", hex::encode(rand::random::<[u8; 24]>()));
+    let demo = args.config.is_none();
+    config.validate()?;
+    // The built-in demo keeps its store where it is documented (./data); anything else must
+    // exist already, so a typo in a path is an error rather than a new, empty store.
+    let store_dir = file_store_dir(&config.store.url);
+    if let Some(dir) = &store_dir
+        && !dir.is_dir()
+    {
+        if args.create_store || (demo && !store_given) {
+            std::fs::create_dir_all(dir).with_context(|| {
+                format!("could not create the store directory {}", dir.display())
+            })?;
+        } else {
+            anyhow::bail!(
+                "store directory {} does not exist (create it, or pass --create-store)",
+                dir.display()
+            );
+        }
+    }
+    if demo && std::env::var("AGENTD_TOKEN").is_err() {
+        let token = dev_token(store_dir.as_deref())?;
         if let Some(t) = config.tenants.iter_mut().find(|t| t.id == "dev") {
             t.tokens = vec![Secret(token.clone()).into()];
         }
@@ -72,11 +102,52 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "agentd: dev tenant token (set AGENTD_TOKEN to choose one):\n  export AGENTD_TOKEN={token}"
         );
     }
-    config.validate()?;
-    let listener = tokio::net::TcpListener::bind(&config.server.listen).await?;
-    eprintln!("agentd listening on http://{}", listener.local_addr()?);
-    agentd::daemon::run(config, listener, shutdown_signal()).await?;
+    let listener = tokio::net::TcpListener::bind(&config.server.listen)
+        .await
+        .with_context(|| format!("could not listen on {}", config.server.listen))?;
+    let addr = listener.local_addr()?;
+    let embedded = agentd::daemon::Embedded {
+        on_ready: Some(Box::new(move || {
+            eprintln!("agentd listening on http://{addr}");
+        })),
+        ..Default::default()
+    };
+    agentd::daemon::run_with(config, embedded, listener, shutdown_signal()).await?;
     Ok(())
+}
+
+/// The directory of a `file:` store URL.
+fn file_store_dir(url: &str) -> Option<std::path::PathBuf> {
+    let dir = url.strip_prefix("file:")?;
+    let dir = dir.strip_prefix("//").unwrap_or(dir);
+    (!dir.is_empty()).then(|| std::path::PathBuf::from(dir))
+}
+
+/// The demo tenant's token: kept in the store directory (`dev-token`, mode 0600) so an
+/// exported `AGENTD_TOKEN` keeps working across restarts; generated on first use. Without a
+/// directory (`memory:` or Redis) a new one each start.
+fn dev_token(dir: Option<&std::path::Path>) -> anyhow::Result<String> {
+    let fresh = || format!("agentd_dev_{}", hex::encode(rand::random::<[u8; 24]>()));
+    let Some(dir) = dir else {
+        return Ok(fresh());
+    };
+    let path = dir.join("dev-token");
+    match std::fs::read_to_string(&path) {
+        Ok(t) if t.trim().starts_with("agentd_dev_") => return Ok(t.trim().to_owned()),
+        Ok(_) => anyhow::bail!("{} does not hold a dev token; remove it", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("could not read {}", path.display())),
+    }
+    let token = fresh();
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    use std::io::Write as _;
+    opts.open(&path)
+        .and_then(|mut f| writeln!(f, "{token}"))
+        .with_context(|| format!("could not write {}", path.display()))?;
+    Ok(token)
 }
 
 async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {

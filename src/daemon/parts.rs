@@ -82,7 +82,7 @@ pub async fn open_store(url: &str) -> Result<SharedStore, BuildError> {
         .await
         .map_err(|e| BuildError::Invalid {
             key: "store.url".into(),
-            message: e.to_string(),
+            message: format!("{url}: {e}"),
         })
 }
 
@@ -323,6 +323,13 @@ fn build_model(
             Ok(Arc::new(provider))
         }
         ModelKind::Scripted => {
+            if let Some(script) = m.script {
+                let mut model = ScriptedModel::demo(name, script);
+                if let Some(d) = m.delay {
+                    model = model.with_delay(d);
+                }
+                return Ok(Arc::new(model));
+            }
             let cassette = if let Some(path) = &m.cassette {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     invalid(

@@ -104,6 +104,7 @@ pub type ScriptFn = dyn Fn(&ModelRequest) -> Result<ModelReply, ModelError> + Se
 enum Script {
     Cassette(Cassette),
     Fn(Arc<ScriptFn>),
+    Demo(DemoScript),
 }
 
 /// The scripted provider.
@@ -234,6 +235,183 @@ impl ScriptedModel {
     }
 }
 
+/// A built-in script of the demo (`[models.X] kind = "scripted", script = "…"`): replies
+/// computed from the conversation, deterministic, so the demo agents use their input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DemoScript {
+    /// Reads two whole numbers in the question, adds (or subtracts) them with the `add` tool,
+    /// echoes the answer with `echo`, then answers.
+    Calculator,
+    /// Records the goal with the `record` tool (which needs an approval) and reports whether
+    /// it was done or rejected.
+    Recorder,
+    /// Asks the user a question (`ask_user`) about the goal and answers with the reply.
+    Interviewer,
+}
+
+/// The last message, if it is a tool result: the tool's name (from the assistant call it
+/// answers) and the parsed result envelope.
+fn last_tool_result(request: &ModelRequest) -> Option<(String, Value)> {
+    let Some(Message::Tool { call_id, content }) = request.messages.last() else {
+        return None;
+    };
+    let tool = request
+        .messages
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            Message::Assistant { tool_calls, .. } => tool_calls
+                .iter()
+                .find(|c| &c.id == call_id)
+                .map(|c| c.name.clone()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    Some((tool, serde_json::from_str(content).unwrap_or(Value::Null)))
+}
+
+/// The run's goal: the first user message.
+fn goal_of(request: &ModelRequest) -> String {
+    request
+        .messages
+        .iter()
+        .find_map(|m| match m {
+            Message::User { content } => Some(content.trim().to_owned()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+/// The first two whole numbers of `text` and the operation between them: `(a, b, '+'|'-')`.
+/// `b` is negated for a subtraction, so `a + b` is always the answer.
+pub fn two_numbers(text: &str) -> Option<(i64, i64, char)> {
+    let bytes = text.as_bytes();
+    let mut found: Vec<(i64, usize, usize)> = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() && found.len() < 2 {
+        if bytes[i].is_ascii_digit() {
+            let start = i;
+            while i < bytes.len() && bytes[i].is_ascii_digit() {
+                i += 1;
+            }
+            // A '-' right before the digits, not after another number, is a sign.
+            let signed = start > 0
+                && bytes[start - 1] == b'-'
+                && (start < 2 || !bytes[start - 2].is_ascii_digit())
+                && found.last().is_none_or(|&(_, _, end)| {
+                    end < start - 1 && !text[end..start - 1].trim().is_empty()
+                });
+            let from = if signed { start - 1 } else { start };
+            found.push((text[from..i].parse().ok()?, from, i));
+        } else {
+            i += 1;
+        }
+    }
+    let [(a, _, a_end), (b, b_start, _)] = found[..] else {
+        return None;
+    };
+    let between = text[a_end..b_start].to_ascii_lowercase();
+    if between.contains('-') || between.contains("minus") {
+        Some((a, b.checked_neg()?, '-'))
+    } else {
+        Some((a, b, '+'))
+    }
+}
+
+impl DemoScript {
+    /// The reply to `request`: a final text or tool calls.
+    pub fn reply(self, request: &ModelRequest) -> (Option<String>, Vec<CassetteCall>) {
+        let call = |name: &str, arguments: Value| {
+            (
+                None,
+                vec![CassetteCall {
+                    name: name.into(),
+                    arguments,
+                }],
+            )
+        };
+        let text = |t: String| (Some(t), Vec::new());
+        let goal = goal_of(request);
+        let failed = |tool: &str, r: &Value| {
+            format!(
+                "The {tool} call failed ({}): {}",
+                r["error"]["code"].as_str().unwrap_or("error"),
+                r["error"]["message"].as_str().unwrap_or("no message")
+            )
+        };
+        match self {
+            DemoScript::Calculator => {
+                let Some((a, b, op)) = two_numbers(&goal) else {
+                    return text(format!(
+                        "I add or subtract two whole numbers; ask e.g. \"what is 20 + 22?\" \
+                         (I found no two numbers in {goal:?})."
+                    ));
+                };
+                let expr = if op == '-' {
+                    format!("{a} - {}", -i128::from(b))
+                } else {
+                    format!("{a} + {b}")
+                };
+                match last_tool_result(request) {
+                    None => call("add", serde_json::json!({ "a": a, "b": b })),
+                    Some((tool, r)) if r["ok"] != true => text(failed(&tool, &r)),
+                    Some((tool, r)) if tool == "add" => call(
+                        "echo",
+                        serde_json::json!({ "text": format!("the answer is {}", r["data"]["sum"]) }),
+                    ),
+                    Some(_) => match a.checked_add(b) {
+                        Some(sum) => text(format!(
+                            "{expr} = {sum}. I checked it with the add tool and echoed it back."
+                        )),
+                        None => text(format!("{expr} does not fit in a 64-bit integer.")),
+                    },
+                }
+            }
+            DemoScript::Recorder => {
+                let item: String = goal.chars().take(200).collect();
+                match last_tool_result(request) {
+                    None => call("record", serde_json::json!({ "item": item })),
+                    Some((_, r)) if r["ok"] == true => {
+                        text(format!("Done: recorded {item:?} once."))
+                    }
+                    Some((_, r)) if r["error"]["code"] == "approval_denied" => text(format!(
+                        "Not done: an operator rejected recording {item:?} ({}).",
+                        r["error"]["message"].as_str().unwrap_or("no reason given")
+                    )),
+                    Some((tool, r)) => text(format!("Not done. {}", failed(&tool, &r))),
+                }
+            }
+            DemoScript::Interviewer => match last_tool_result(request) {
+                None => call(
+                    "ask_user",
+                    serde_json::json!({
+                        "question": format!("Where should {goal:?} go: staging or prod?")
+                    }),
+                ),
+                Some((_, r)) => match r["data"]["answer"].as_str() {
+                    Some(answer) => {
+                        text(format!("Going ahead with {goal:?} on {}.", answer.trim()))
+                    }
+                    None => text(format!("I did not get an answer about {goal:?}.")),
+                },
+            },
+        }
+    }
+}
+
+impl ScriptedModel {
+    /// A model that plays `script`.
+    pub fn demo(name: impl Into<String>, script: DemoScript) -> Self {
+        ScriptedModel {
+            name: name.into(),
+            script: Script::Demo(script),
+            delay: Duration::ZERO,
+            failures: DashMap::new(),
+        }
+    }
+}
+
 fn message_len(m: &Message) -> u64 {
     (match m {
         Message::System { content } | Message::User { content } => content.len(),
@@ -280,6 +458,17 @@ impl ModelProvider for ScriptedModel {
         }
         match &self.script {
             Script::Fn(f) => f(request).map_err(AttemptError::from),
+            Script::Demo(d) => {
+                let (text, tool_calls) = d.reply(request);
+                self.render(
+                    request,
+                    CassetteReply {
+                        text,
+                        tool_calls,
+                        ..CassetteReply::default()
+                    },
+                )
+            }
             Script::Cassette(_) => match self.pick(request) {
                 Some(reply) => self.render(request, reply),
                 None => Err(AttemptError::from(ModelError::new(
@@ -294,6 +483,17 @@ impl ModelProvider for ScriptedModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_calculator_reads_two_numbers_and_the_operation() {
+        assert_eq!(two_numbers("what is 20 + 22?"), Some((20, 22, '+')));
+        assert_eq!(two_numbers("7 minus 10"), Some((7, -10, '-')));
+        assert_eq!(two_numbers("100-1"), Some((100, -1, '-')));
+        assert_eq!(two_numbers("add -5 and 3"), Some((-5, 3, '+')));
+        assert_eq!(two_numbers("20 + -5"), Some((20, -5, '+')));
+        assert_eq!(two_numbers("just 42"), None);
+        assert_eq!(two_numbers("no numbers"), None);
+    }
     use crate::ids::RunId;
     use crate::model::ToolChoice;
 

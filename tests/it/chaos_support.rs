@@ -23,6 +23,8 @@ pub struct ChildDaemon {
     pub base: String,
     pub http: reqwest::Client,
     log: std::path::PathBuf,
+    /// What it printed to stderr before its address line (e.g. the demo token).
+    pub banner: Vec<String>,
 }
 
 impl ChildDaemon {
@@ -39,14 +41,32 @@ impl ChildDaemon {
         global_args: &[&str],
         rust_log: &str,
     ) -> ChildDaemon {
+        let serve = ["--config", config.to_str().unwrap()];
+        Self::spawn_serve(&serve, None, log, global_args, rust_log).await
+    }
+
+    /// `agentd [global_args] serve [serve_args] --listen 127.0.0.1:0` in `cwd`, returning once
+    /// it has printed its address.
+    pub async fn spawn_serve(
+        serve_args: &[&str],
+        cwd: Option<&Path>,
+        log: &Path,
+        global_args: &[&str],
+        rust_log: &str,
+    ) -> ChildDaemon {
         let out = OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_agentd"));
+        if let Some(dir) = cwd {
+            cmd.current_dir(dir);
+        }
+        let mut child = cmd
             .args(global_args)
-            .args(["serve", "--config", config.to_str().unwrap()])
+            .arg("serve")
+            .args(serve_args)
             .args(["--listen", "127.0.0.1:0"])
             .env_remove("AGENTD_TOKEN")
             .env("RUST_LOG", rust_log)
@@ -68,6 +88,7 @@ impl ChildDaemon {
         });
         let base = tokio::task::spawn_blocking(move || {
             let deadline = Instant::now() + Duration::from_secs(30);
+            let mut banner = Vec::new();
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match rx.recv_timeout(left) {
@@ -80,8 +101,9 @@ impl ChildDaemon {
                                     let _ = writeln!(err_log, "[stderr] {line}");
                                 }
                             });
-                            return Ok(addr.trim().to_owned());
+                            return Ok((addr.trim().to_owned(), banner));
                         }
+                        banner.push(line);
                     }
                     Err(e) => return Err(format!("no address line from agentd: {e}")),
                 }
@@ -89,7 +111,7 @@ impl ChildDaemon {
         })
         .await
         .unwrap();
-        let base = match base {
+        let (base, banner) = match base {
             Ok(b) => b,
             Err(e) => {
                 let _ = child.kill();
@@ -105,6 +127,7 @@ impl ChildDaemon {
                 .build()
                 .unwrap(),
             log: log.to_owned(),
+            banner,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The CLI binary against a live in-process daemon: run --follow with its exit codes, runs
 //! commands, healthcheck, and config check.
 
+use std::path::Path;
 use std::time::Duration;
 
 use tokio::process::Command;
@@ -14,12 +15,23 @@ struct Out {
 }
 
 async fn agentd(d: Option<&TestDaemon>, args: &[&str]) -> Out {
+    match d {
+        Some(d) => agentd_at(Some((&d.base(), ALPHA)), None, args).await,
+        None => agentd_at(None, None, args).await,
+    }
+}
+
+/// The CLI with `--url URL --token TOKEN` when given, in `cwd` when given.
+async fn agentd_at(daemon: Option<(&str, &str)>, cwd: Option<&Path>, args: &[&str]) -> Out {
     let mut c = Command::new(env!("CARGO_BIN_EXE_agentd"));
     c.env_remove("AGENTD_URL")
         .env_remove("AGENTD_TOKEN")
         .env("NO_COLOR", "1");
-    if let Some(d) = d {
-        c.args(["--url", &d.base(), "--token", ALPHA]);
+    if let Some(dir) = cwd {
+        c.current_dir(dir);
+    }
+    if let Some((url, token)) = daemon {
+        c.args(["--url", url, "--token", token]);
     }
     c.args(args).kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(30), c.output())
@@ -320,4 +332,172 @@ async fn a_closed_stdout_ends_the_cli_quietly_with_its_exit_code() {
     );
     assert!(stderr.trim().is_empty(), "not quiet: {stderr}");
     d.stop().await;
+}
+
+/// The id in the first line `run run_…` of a `--follow` timeline.
+fn run_id_of(timeline: &str) -> String {
+    timeline
+        .lines()
+        .find_map(|l| l.strip_prefix("run "))
+        .expect("no run line")
+        .trim()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_builtin_demo_uses_its_input_keeps_its_token_and_names_its_conflicts() {
+    use crate::chaos_support::ChildDaemon;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("agentd.log");
+    // The README's set-up command on a fresh directory: no ./data yet.
+    let d = ChildDaemon::spawn_serve(&[], Some(dir.path()), &log, &[], "info").await;
+    let token = d
+        .banner
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("export AGENTD_TOKEN="))
+        .expect("the demo token is printed")
+        .to_owned();
+    assert!(dir.path().join("data").is_dir());
+    let at = Some((d.base.as_str(), token.as_str()));
+
+    // The calculator reads the question.
+    let o = agentd_at(at, None, &["run", "demo", "what is 7 + 5?", "--follow"]).await;
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains(r#"add({"a":7,"b":5})"#), "{}", o.stdout);
+    assert!(o.stdout.contains("output: 7 + 5 = 12."), "{}", o.stdout);
+    let o = agentd_at(at, None, &["run", "demo", "100 minus 1", "--follow"]).await;
+    assert!(o.stdout.contains("output: 100 - 1 = 99."), "{}", o.stdout);
+
+    // A rejected call is reported as rejected.
+    let o = agentd_at(
+        at,
+        None,
+        &["run", "demo_approval", "restart deploy 7", "--follow"],
+    )
+    .await;
+    assert_eq!(o.code, 3, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains(r#"record({"item":"restart deploy 7"})"#),
+        "{}",
+        o.stdout
+    );
+    let id = run_id_of(&o.stdout);
+    let o = agentd_at(
+        at,
+        None,
+        &[
+            "approvals",
+            "reject",
+            &id,
+            "call_1_0",
+            "--reason",
+            "not today",
+        ],
+    )
+    .await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let o = agentd_at(at, None, &["runs", "events", &id, "--follow"]).await;
+    assert!(o.stdout.contains("call call_1_0 rejected"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains(
+            r#"output: Not done: an operator rejected recording "restart deploy 7" (not today)."#
+        ),
+        "{}",
+        o.stdout
+    );
+
+    // demo_input asks, and uses the answer.
+    let o = agentd_at(at, None, &["run", "demo_input", "ship v2", "--follow"]).await;
+    assert_eq!(o.code, 3, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains("model asks: Where should \"ship v2\" go"),
+        "{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout.contains("answer: agentd runs input"),
+        "{}",
+        o.stdout
+    );
+    let id = run_id_of(&o.stdout);
+    let o = agentd_at(at, None, &["runs", "input", &id, "staging"]).await;
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let o = agentd_at(at, None, &["runs", "events", &id, "--follow"]).await;
+    assert!(
+        o.stdout
+            .contains(r#"output: Going ahead with "ship v2" on staging."#),
+        "{}",
+        o.stdout
+    );
+
+    // A second daemon on the same data directory names it.
+    let o = agentd_at(
+        None,
+        Some(dir.path()),
+        &["serve", "--listen", "127.0.0.1:0"],
+    )
+    .await;
+    assert_eq!(o.code, 4, "{}", o.stderr);
+    assert!(o.stderr.contains("file:./data"), "{}", o.stderr);
+    assert!(!o.stderr.contains("listening"), "{}", o.stderr);
+    // ...and one on the same port names the address.
+    let port_taken = d.base.trim_start_matches("http://").to_owned();
+    let other = tempfile::tempdir().unwrap();
+    let o = agentd_at(
+        None,
+        Some(other.path()),
+        &["serve", "--listen", &port_taken],
+    )
+    .await;
+    assert_eq!(o.code, 4, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains(&format!("could not listen on {port_taken}")),
+        "{}",
+        o.stderr
+    );
+
+    // Logs written to a file carry no colour codes, and one line per request.
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!text.contains('\u{1b}'), "ANSI codes in the log file");
+    let answered: Vec<&str> = text.lines().filter(|l| l.contains("answered")).collect();
+    assert!(!answered.is_empty(), "{text}");
+    assert!(answered.iter().all(|l| l.len() < 240), "{answered:?}");
+
+    // Restarted, the demo keeps its token: an exported AGENTD_TOKEN keeps working.
+    d.signal("TERM");
+    let mut d = d;
+    assert!(d.wait_exit(Duration::from_secs(15)).await.is_some());
+    let d = ChildDaemon::spawn_serve(&[], Some(dir.path()), &log, &[], "info").await;
+    assert!(
+        d.banner.iter().any(|l| l.contains(&token)),
+        "{:?}",
+        d.banner
+    );
+    let (s, _) = d.get("/v1/runs", &token).await;
+    assert_eq!(s, 200);
+    drop(d);
+
+    // A store directory that does not exist is an error unless asked for.
+    let o = agentd_at(
+        None,
+        Some(other.path()),
+        &[
+            "serve",
+            "--store",
+            "file:./typo/path",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+    )
+    .await;
+    assert_eq!(o.code, 4, "{}", o.stderr);
+    assert!(
+        o.stderr.contains(
+            "store directory ./typo/path does not exist (create it, or pass --create-store)"
+        ),
+        "{}",
+        o.stderr
+    );
+    assert!(!other.path().join("typo").exists());
 }

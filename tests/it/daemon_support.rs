@@ -132,6 +132,7 @@ impl TestDaemon {
             config,
             Embedded {
                 tools: vec![Arc::new(charge)],
+                ..Default::default()
             },
             listener,
             async move {
