@@ -15,6 +15,7 @@ macro_rules! outln {
     }};
 }
 
+pub mod check;
 pub mod client;
 pub mod timeline;
 
@@ -506,7 +507,28 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Config(ConfigCommand::Check { config }) => {
             let cfg = Config::load(config.as_deref(), std::env::vars())?;
-            cfg.validate()?;
+            let text = match &config {
+                Some(p) => Some(std::fs::read_to_string(p)?),
+                None => None,
+            };
+            let problems = check::problems(&cfg, text.as_deref(), |name| std::env::var(name).ok());
+            if !problems.is_empty() {
+                if output == Output::Json {
+                    print_json(&json!({ "error": {
+                        "code": "invalid_config",
+                        "message": format!("{} problem(s) in the configuration", problems.len()),
+                        "problems": problems,
+                    }}))?;
+                }
+                for p in &problems {
+                    eprintln!("error: {p}");
+                }
+                eprintln!(
+                    "{} problem(s); `serve` would refuse this configuration",
+                    problems.len()
+                );
+                return Ok(EXIT_ERROR);
+            }
             if output == Output::Json {
                 print_json(&cfg.redacted())?;
             } else {

@@ -501,3 +501,91 @@ async fn the_builtin_demo_uses_its_input_keeps_its_token_and_names_its_conflicts
     );
     assert!(!other.path().join("typo").exists());
 }
+
+/// Every ```toml block of README.md.
+fn readme_toml_blocks() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in readme.lines() {
+        match (&mut current, line.trim_end()) {
+            (None, "```toml") => current = Some(String::new()),
+            (Some(b), "```") => {
+                blocks.push(std::mem::take(b));
+                current = None;
+            }
+            (Some(b), l) => {
+                b.push_str(l);
+                b.push('\n');
+            }
+            (None, _) => {}
+        }
+    }
+    blocks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_readme_toml_block_is_a_whole_configuration_that_checks() {
+    let blocks = readme_toml_blocks();
+    assert!(blocks.len() >= 2, "README has {} toml blocks", blocks.len());
+    let Some(mcp_bin) = crate::mcp::server_bin() else {
+        return;
+    };
+    let path = format!(
+        "{}:{}",
+        mcp_bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    for (i, block) in blocks.iter().enumerate() {
+        let config = agentd::config::Config::from_toml(block)
+            .unwrap_or_else(|e| panic!("README toml block {i} does not parse: {e}\n{block}"));
+        config
+            .validate()
+            .unwrap_or_else(|e| panic!("README toml block {i} is not valid: {e}\n{block}"));
+        let file = dir.path().join(format!("block{i}.toml"));
+        std::fs::write(&file, block).unwrap();
+        let names: Vec<&str> = block
+            .split("\"env:")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .collect();
+        let run = |with_env: bool| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_agentd"));
+            c.current_dir(dir.path()).env("PATH", &path).args([
+                "config",
+                "check",
+                "--config",
+                file.to_str().unwrap(),
+            ]);
+            for n in &names {
+                c.env_remove(n);
+                if with_env {
+                    c.env(n, "a-secret-value-0123456789");
+                }
+            }
+            c.output()
+        };
+        let o = run(true).await.unwrap();
+        assert!(
+            o.status.success(),
+            "README toml block {i}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        // Without its variables, every one of them is reported at once, with its line.
+        if !names.is_empty() {
+            let o = run(false).await.unwrap();
+            assert_eq!(o.status.code(), Some(4));
+            let err = String::from_utf8_lossy(&o.stderr);
+            for n in &names {
+                assert!(
+                    err.contains(&format!("environment variable {n} is not set")),
+                    "block {i}: {err}"
+                );
+            }
+            assert!(err.contains("line "), "{err}");
+        }
+    }
+}
