@@ -39,9 +39,15 @@ Exit codes:
   1  with --follow: the run failed
   2  with --follow: the run was cancelled
   3  with --follow: the run waits for an operator (approval or input); the commands to run are printed
-  4  the request failed (daemon unreachable, API error, bad config)
+  4  the request failed otherwise (API error, bad config, bad input)
+  5  unauthorised: missing, unknown or insufficient token (401, 403)
+  6  not found: no such run, call or agent (404)
+  7  conflict: the run's state does not allow it (409)
+  8  overloaded: too many active runs, try later (429)
+  9  unavailable: the daemon is unreachable, starting, draining or its store is down (503)
   64 usage error
-  141 stdout was closed before the output was complete (e.g. `| head`), as for SIGPIPE";
+  141 stdout was closed before the output was complete (e.g. `| head`), as for SIGPIPE
+With --output json, an error is printed to stdout as {\"error\": {\"code\", \"message\", \"http_status\"}}.";
 
 /// Exit code: the run failed.
 pub const EXIT_FAILED: i32 = 1;
@@ -51,6 +57,16 @@ pub const EXIT_CANCELLED: i32 = 2;
 pub const EXIT_WAITING: i32 = 3;
 /// Exit code: the command could not complete.
 pub const EXIT_ERROR: i32 = 4;
+/// Exit code: the token is missing, unknown or lacks the scope.
+pub const EXIT_UNAUTHORISED: i32 = 5;
+/// Exit code: no such run, call or agent.
+pub const EXIT_NOT_FOUND: i32 = 6;
+/// Exit code: the run's state does not allow the request.
+pub const EXIT_CONFLICT: i32 = 7;
+/// Exit code: the daemon refused for load (429).
+pub const EXIT_OVERLOADED: i32 = 8;
+/// Exit code: the daemon is unreachable or unavailable (503).
+pub const EXIT_UNAVAILABLE: i32 = 9;
 /// Exit code: bad usage.
 pub const EXIT_USAGE: i32 = 64;
 /// Exit code: stdout was closed before the output was complete (128 + SIGPIPE, what a shell
@@ -63,6 +79,65 @@ pub fn is_closed_output(e: &anyhow::Error) -> bool {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+/// The exit code of a failed command (see [`EXIT_CODES`]).
+pub fn exit_code_of(err: &anyhow::Error) -> i32 {
+    if let Some(f) = err.downcast_ref::<client::ApiFailure>() {
+        return match f.status.as_u16() {
+            401 | 403 => EXIT_UNAUTHORISED,
+            404 => EXIT_NOT_FOUND,
+            409 => EXIT_CONFLICT,
+            429 => EXIT_OVERLOADED,
+            503 => EXIT_UNAVAILABLE,
+            _ => EXIT_ERROR,
+        };
+    }
+    if err.downcast_ref::<client::Unreachable>().is_some() {
+        return EXIT_UNAVAILABLE;
+    }
+    EXIT_ERROR
+}
+
+/// Prints a failed command's error: a line on stderr, and with `--output json` the error
+/// object on stdout (its `code` is the API's, or `unreachable`, or `error`).
+pub fn print_error(err: &anyhow::Error, output: Output) {
+    if output == Output::Json {
+        let (code, status, message) = match err.downcast_ref::<client::ApiFailure>() {
+            Some(f) => (f.code.clone(), Some(f.status.as_u16()), f.message.clone()),
+            None if err.downcast_ref::<client::Unreachable>().is_some() => {
+                ("unreachable".to_owned(), None, format!("{err:#}"))
+            }
+            None => ("error".to_owned(), None, format!("{err:#}")),
+        };
+        let mut e = json!({ "code": code, "message": message, "http_status": status });
+        if let Some(st) = err
+            .downcast_ref::<client::ApiFailure>()
+            .and_then(|f| f.run_status.clone())
+        {
+            e["status"] = json!(st);
+        }
+        let _ = outln!("{}", json!({ "error": e }));
+    }
+    eprintln!("error: {err:#}");
+}
+
+/// `-` means "read it from stdin" (at most 1 MiB).
+fn arg_or_stdin(value: String, what: &str) -> anyhow::Result<String> {
+    if value != "-" {
+        return Ok(value);
+    }
+    use std::io::Read as _;
+    let mut text = String::new();
+    std::io::stdin()
+        .take((1 << 20) + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("could not read {what} from stdin"))?;
+    anyhow::ensure!(
+        text.len() <= 1 << 20,
+        "{what} on stdin is larger than 1 MiB"
+    );
+    Ok(text.trim_end_matches(['\n', '\r']).to_owned())
 }
 
 /// How results are printed.
@@ -79,23 +154,52 @@ pub enum LogFormat {
     Json,
 }
 
+/// The version line: package version and git commit.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("AGENTD_COMMIT"),
+    ")"
+);
+
 /// agentd: runs many LLM agent runs at once and keeps each one safe.
+///
+/// `serve` runs the daemon; every other command is a client of a running daemon
+/// (`--url`, `--token`).
 #[derive(Debug, Parser)]
-#[command(name = "agentd", version, after_help = EXIT_CODES)]
+#[command(
+    name = "agentd",
+    version = VERSION,
+    after_help = EXIT_CODES,
+    subcommand_help_heading = "Commands"
+)]
 pub struct Cli {
     /// URL of the daemon (client commands).
     #[arg(
         long,
         global = true,
         env = "AGENTD_URL",
-        default_value = "http://127.0.0.1:7700"
+        default_value = "http://127.0.0.1:7700",
+        help_heading = "Global options"
     )]
     pub url: String,
     /// Bearer token of your tenant (client commands).
-    #[arg(long, global = true, env = "AGENTD_TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        global = true,
+        env = "AGENTD_TOKEN",
+        hide_env_values = true,
+        help_heading = "Global options"
+    )]
     pub token: Option<String>,
-    /// Output format of client commands.
-    #[arg(long, global = true, value_enum, default_value = "table")]
+    /// Output format of client commands: a table for people, JSON for scripts (errors too).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "table",
+        help_heading = "Global options"
+    )]
     pub output: Output,
     /// Log format (logs go to stdout for `serve`, stderr otherwise; filter with RUST_LOG).
     #[arg(
@@ -103,7 +207,8 @@ pub struct Cli {
         global = true,
         value_enum,
         env = "AGENTD_LOG_FORMAT",
-        default_value = "text"
+        default_value = "text",
+        help_heading = "Global options"
     )]
     pub log_format: LogFormat,
     #[command(subcommand)]
@@ -137,6 +242,13 @@ pub enum Command {
     /// Load generator: N concurrent runs of K tool steps on the scripted model and the echo
     /// tool, in this process; prints steps per second, step latency and memory per run.
     Bench(BenchArgs),
+    /// Print a shell completion script: `agentd completions bash > /etc/bash_completion.d/agentd`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the version and the git commit it was built from.
+    Version,
 }
 
 #[derive(Debug, Args)]
@@ -183,8 +295,9 @@ pub struct ServeArgs {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    /// The agent to run (`agentd agents` lists them).
     pub agent: String,
-    /// The goal (text; with --json-input, a JSON value).
+    /// The goal (text; with --json-input, a JSON value; `-` reads it from stdin).
     pub input: String,
     /// Parse INPUT as JSON.
     #[arg(long)]
@@ -198,10 +311,13 @@ pub struct RunArgs {
     /// The same key returns the same run.
     #[arg(long)]
     pub idempotency_key: Option<String>,
+    /// Budget: most model turns (default: the agent's).
     #[arg(long)]
     pub max_turns: Option<u32>,
+    /// Budget: most tool calls (default: the agent's).
     #[arg(long)]
     pub max_tool_calls: Option<u32>,
+    /// Budget: most tokens, input and output (default: the agent's).
     #[arg(long)]
     pub max_tokens: Option<u64>,
     /// Wall-clock limit, e.g. "5m".
@@ -213,22 +329,34 @@ pub struct RunArgs {
 pub enum RunsCommand {
     /// The tenant's runs, newest first.
     List {
+        /// Only runs with this status: created, running, waiting_approval, waiting_input,
+        /// succeeded, failed, cancelled.
         #[arg(long)]
         status: Option<String>,
+        /// Only runs of this agent.
         #[arg(long)]
         agent: Option<String>,
+        /// Most runs to list (the daemon caps it at limits.max_page_size).
         #[arg(long)]
         limit: Option<usize>,
+        /// Continue after this cursor (printed under a full page).
         #[arg(long)]
         cursor: Option<String>,
     },
-    /// One run.
-    Get { id: String },
-    /// The run's events; with --follow, live until it ends.
-    Events {
+    /// One run, with its input, pending approvals, output or error.
+    Get {
+        /// The run (`run_…`).
         id: String,
+    },
+    /// The run's events; with --follow, live until it ends (NDJSON with --output json, each
+    /// line with its run_id).
+    Events {
+        /// The run (`run_…`).
+        id: String,
+        /// Only events after this sequence number.
         #[arg(long, default_value_t = 0)]
         after: u64,
+        /// Stream the run's timeline until it ends or waits for an operator.
         #[arg(long)]
         follow: bool,
         /// With --follow: keep following while the run waits for an operator.
@@ -237,29 +365,42 @@ pub enum RunsCommand {
     },
     /// Cancel a run (idempotent).
     Cancel {
+        /// The run (`run_…`).
         id: String,
+        /// Why (kept in the run's events).
         #[arg(long)]
         reason: Option<String>,
     },
     /// Approve a pending tool call (optionally with edited arguments).
     Approve {
+        /// The run (`run_…`).
         id: String,
+        /// The call (`call_…`).
         call_id: String,
-        /// Edited arguments, as JSON.
+        /// Edited arguments, as JSON (`-` reads them from stdin).
         #[arg(long)]
         arguments: Option<String>,
+        /// Why (kept in the run's events).
         #[arg(long)]
         reason: Option<String>,
     },
     /// Reject a pending tool call.
     Reject {
+        /// The run (`run_…`).
         id: String,
+        /// The call (`call_…`).
         call_id: String,
+        /// Why (the model sees it).
         #[arg(long)]
         reason: Option<String>,
     },
     /// Answer a run waiting for input (or queue input for a running run).
-    Input { id: String, text: String },
+    Input {
+        /// The run (`run_…`).
+        id: String,
+        /// The answer (`-` reads it from stdin).
+        text: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -313,8 +454,10 @@ pub enum ApprovalsCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
-    /// Validate the configuration and print the effective result (secrets redacted).
+    /// Report every problem `serve` would refuse, or print the effective configuration
+    /// (secrets redacted).
     Check {
+        /// TOML configuration file (without one: the built-in demo).
         #[arg(long, env = "AGENTD_CONFIG")]
         config: Option<PathBuf>,
     },
@@ -358,6 +501,7 @@ fn print_run(run: &RunDto, output: Output) -> anyhow::Result<()> {
             None => run.status.clone(),
         },
     );
+    row(&mut t, "input", short(&run.input, 200));
     row(&mut t, "turn", run.turn.to_string());
     row(
         &mut t,
@@ -435,7 +579,7 @@ fn print_approvals(list: &ApprovalListDto, output: Output) -> anyhow::Result<()>
         return print_json(list);
     }
     if list.approvals.is_empty() {
-        println!("no calls wait for an operator");
+        outln!("no calls wait for an operator")?;
         return Ok(());
     }
     let mut t = Table::new();
@@ -460,11 +604,11 @@ fn print_approvals(list: &ApprovalListDto, output: Output) -> anyhow::Result<()>
             a.expires_at.clone().unwrap_or_else(|| "never".to_owned()),
         ]);
     }
-    println!("{t}");
-    println!("approve: agentd approvals approve RUN CALL [--arguments JSON]");
-    println!("reject:  agentd approvals reject RUN CALL --reason \"…\"");
+    outln!("{t}")?;
+    outln!("approve: agentd approvals approve RUN CALL [--arguments JSON]")?;
+    outln!("reject:  agentd approvals reject RUN CALL --reason \"…\"")?;
     if let Some(c) = &list.next_cursor {
-        println!("more: agentd approvals --cursor {c}");
+        outln!("more: agentd approvals --cursor {c}")?;
     }
     Ok(())
 }
@@ -504,6 +648,22 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::Serve(_) | Command::Bench(_) => {
             anyhow::bail!("`serve` and `bench` are handled by main")
+        }
+        Command::Version => {
+            if output == Output::Json {
+                print_json(&json!({
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "commit": env!("AGENTD_COMMIT"),
+                }))?;
+            } else {
+                outln!("agentd {VERSION}")?;
+            }
+            Ok(0)
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            clap_complete::generate(shell, &mut Cli::command(), "agentd", &mut std::io::stdout());
+            Ok(0)
         }
         Command::Config(ConfigCommand::Check { config }) => {
             let cfg = Config::load(config.as_deref(), std::env::vars())?;
@@ -567,10 +727,11 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Run(args) => {
             let c = client()?;
+            let text = arg_or_stdin(args.input.clone(), "INPUT")?;
             let input = if args.json_input {
-                serde_json::from_str::<Value>(&args.input).context("INPUT is not valid JSON")?
+                serde_json::from_str::<Value>(&text).context("INPUT is not valid JSON")?
             } else {
-                Value::String(args.input.clone())
+                Value::String(text)
             };
             let mut body = json!({ "agent": args.agent, "input": input });
             if let Some(k) = &args.idempotency_key {
@@ -614,8 +775,8 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                 }) => {
                     let mut body = json!({ "decision": "approve", "reason": reason });
                     if let Some(a) = arguments {
-                        body["arguments"] =
-                            serde_json::from_str(&a).context("--arguments is not valid JSON")?;
+                        body["arguments"] = serde_json::from_str(&arg_or_stdin(a, "--arguments")?)
+                            .context("--arguments is not valid JSON")?;
                     }
                     decide(&c, &run_id, &call_id, &body, output).await
                 }
@@ -714,8 +875,8 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                 } => {
                     let mut body = json!({ "decision": "approve", "reason": reason });
                     if let Some(a) = arguments {
-                        body["arguments"] =
-                            serde_json::from_str(&a).context("--arguments is not valid JSON")?;
+                        body["arguments"] = serde_json::from_str(&arg_or_stdin(a, "--arguments")?)
+                            .context("--arguments is not valid JSON")?;
                     }
                     decide(&c, &id, &call_id, &body, output).await
                 }
@@ -728,7 +889,7 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                     decide(&c, &id, &call_id, &body, output).await
                 }
                 RunsCommand::Input { id, text } => {
-                    let body = json!({ "text": text });
+                    let body = json!({ "text": arg_or_stdin(text, "TEXT")? });
                     let run: RunDto = c
                         .call(
                             Method::POST,
@@ -778,4 +939,27 @@ async fn decide(
         .await?;
     print_run(&run, output)?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_of_failure_has_its_exit_code() {
+        let api = |status: u16| {
+            anyhow::Error::from(client::ApiFailure {
+                status: reqwest::StatusCode::from_u16(status).unwrap(),
+                code: "x".into(),
+                message: "y".into(),
+                run_status: None,
+            })
+        };
+        let codes: Vec<i32> = [400, 401, 403, 404, 409, 429, 503, 500]
+            .into_iter()
+            .map(|s| exit_code_of(&api(s)))
+            .collect();
+        assert_eq!(codes, [4, 5, 5, 6, 7, 8, 9, 4]);
+        assert_eq!(exit_code_of(&anyhow::anyhow!("bad input")), EXIT_ERROR);
+    }
 }

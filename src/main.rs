@@ -192,6 +192,7 @@ fn main() -> ExitCode {
         }
     };
     let is_serve = matches!(cli.command, Command::Serve(_));
+    let output = cli.output;
     init_tracing(cli.log_format, is_serve);
     agentd::redact::install_panic_hook();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -218,8 +219,8 @@ fn main() -> ExitCode {
         // The reader went away (`| head`): nothing to say, and nobody to say it to.
         Err(e) if cli::is_closed_output(&e) => ExitCode::from(cli::EXIT_CLOSED_OUTPUT as u8),
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(cli::EXIT_ERROR as u8)
+            cli::print_error(&e, output);
+            ExitCode::from(cli::exit_code_of(&e) as u8)
         }
     }
 }

@@ -129,6 +129,9 @@ pub struct PendingApprovalDto {
 pub struct RunDto {
     pub id: String,
     pub agent: String,
+    /// The goal as given (text or JSON).
+    #[serde(default)]
+    pub input: Value,
     pub status: String,
     pub phase: Option<String>,
     pub turn: u32,
@@ -154,6 +157,7 @@ impl From<&RunState> for RunDto {
         RunDto {
             id: r.id.to_string(),
             agent: r.agent.clone(),
+            input: r.input.clone(),
             status: r.status.as_str().to_owned(),
             phase: r.phase.map(|p| p.as_str().to_owned()),
             turn: r.turn,
@@ -207,6 +211,7 @@ impl RunDto {
         if let Some(o) = &mut dto.output {
             redactor.redact_value_in_place(o);
         }
+        redactor.redact_value_in_place(&mut dto.input);
         if let Some(e) = &mut dto.error {
             e.message = redactor.redact_str(&e.message).into_owned();
         }

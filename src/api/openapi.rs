@@ -87,6 +87,7 @@ pub fn document() -> Value {
                     "properties": {
                         "id": { "type": "string" },
                         "agent": { "type": "string" },
+                        "input": { "description": "The goal as given: text or any JSON value." },
                         "status": { "enum": ["created", "running", "waiting_approval", "waiting_input", "succeeded", "failed", "cancelled"] },
                         "phase": { "type": ["string", "null"] },
                         "turn": { "type": "integer" },

@@ -26,6 +26,15 @@ pub struct ApiFailure {
     pub run_status: Option<String>,
 }
 
+/// The daemon could not be reached (connection refused, timeout, DNS).
+#[derive(Debug, thiserror::Error)]
+#[error("could not reach agentd at {base}: {source}")]
+pub struct Unreachable {
+    pub base: String,
+    #[source]
+    pub source: reqwest::Error,
+}
+
 /// A client of one daemon.
 #[derive(Debug, Clone)]
 pub struct Client {
@@ -88,10 +97,10 @@ impl Client {
         if let Some(body) = body {
             b = b.json(body);
         }
-        let res = b
-            .send()
-            .await
-            .with_context(|| format!("could not reach agentd at {}", self.base))?;
+        let res = b.send().await.map_err(|source| Unreachable {
+            base: self.base.clone(),
+            source,
+        })?;
         Self::decode(res).await
     }
 
@@ -102,7 +111,10 @@ impl Client {
             .timeout(timeout)
             .send()
             .await
-            .with_context(|| format!("could not reach agentd at {}", self.base))?;
+            .map_err(|source| Unreachable {
+                base: self.base.clone(),
+                source,
+            })?;
         Ok(res.status())
     }
 
@@ -119,10 +131,10 @@ impl Client {
         if after > 0 {
             b = b.header("Last-Event-ID", after.to_string());
         }
-        let res = b
-            .send()
-            .await
-            .with_context(|| format!("could not reach agentd at {}", self.base))?;
+        let res = b.send().await.map_err(|source| Unreachable {
+            base: self.base.clone(),
+            source,
+        })?;
         if !res.status().is_success() {
             return Err(Self::decode::<Value>(res).await.err().unwrap_or_else(|| {
                 anyhow::anyhow!("unexpected response to the event stream request")

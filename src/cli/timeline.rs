@@ -13,8 +13,14 @@ use super::client::Client;
 use super::{EXIT_CANCELLED, EXIT_FAILED, EXIT_WAITING, Output};
 use crate::api::dto::{EventDto, RunDto};
 
-/// Reconnects allowed after the stream breaks before the run ends.
-const MAX_RECONNECTS: u32 = 5;
+/// Reconnects allowed after the stream breaks before the run ends: with the backoff below,
+/// about a minute, so a follower rides out a daemon restart.
+const MAX_RECONNECTS: u32 = 30;
+
+/// The wait before reconnect number `n` (from 1): 0.5 s more each time, at most 2 s.
+fn backoff(n: u32) -> Duration {
+    Duration::from_millis((500 * u64::from(n)).min(2000))
+}
 
 fn ms_of(at: &str) -> Option<i128> {
     time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339)
@@ -159,7 +165,7 @@ pub async fn follow(
             Err(e) if last > after && reconnects < MAX_RECONNECTS => {
                 reconnects += 1;
                 eprintln!("stream lost ({e}); reconnecting");
-                tokio::time::sleep(Duration::from_millis(500 * u64::from(reconnects))).await;
+                tokio::time::sleep(backoff(reconnects)).await;
                 continue;
             }
             Err(e) => return Err(e),
@@ -171,7 +177,10 @@ pub async fn follow(
             }
             last = e.seq;
             if output == Output::Json {
-                outln!("{}", serde_json::to_string(&e)?)?;
+                // NDJSON: each line stands alone, so it names its run.
+                let mut line = serde_json::to_value(&e)?;
+                line["run_id"] = Value::String(run_id.to_owned());
+                outln!("{line}")?;
             } else if let Some(line) = describe(&e) {
                 let at = ms_of(&e.at);
                 let base = *start_ms.get_or_insert(at.unwrap_or(0));
@@ -205,6 +214,6 @@ pub async fn follow(
             anyhow::bail!("the event stream kept ending before the run did");
         }
         reconnects += 1;
-        tokio::time::sleep(Duration::from_millis(500 * u64::from(reconnects))).await;
+        tokio::time::sleep(backoff(reconnects)).await;
     }
 }

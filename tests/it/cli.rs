@@ -79,7 +79,7 @@ async fn run_follow_prints_a_timeline_and_exits_by_outcome() {
 
     // A conflict is an error exit with the API's code.
     let o = agentd(Some(&d), &["runs", "reject", &id, "call_1_0"]).await;
-    assert_eq!(o.code, 4);
+    assert_eq!(o.code, 7, "conflict");
     assert!(o.stderr.contains("invalid_state"), "{}", o.stderr);
 
     // Cancelled: exit 2.
@@ -98,7 +98,7 @@ async fn run_follow_prints_a_timeline_and_exits_by_outcome() {
     let run: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     assert_eq!(run["status"], "succeeded");
     let o = agentd(Some(&d), &["runs", "get", "run_nope"]).await;
-    assert_eq!(o.code, 4);
+    assert_eq!(o.code, 6, "not found");
     assert!(o.stderr.contains("not_found"));
     let o = agentd(Some(&d), &["agents"]).await;
     assert!(o.stdout.contains("approver"));
@@ -120,7 +120,7 @@ async fn healthcheck_fails_without_a_daemon_and_usage_errors_exit_64() {
         ],
     )
     .await;
-    assert_eq!(o.code, 4);
+    assert_eq!(o.code, 9, "unavailable: {}", o.stderr);
     let o = agentd(None, &["runs", "frobnicate"]).await;
     assert_eq!(o.code, 64);
     let o = agentd(None, &["--help"]).await;
@@ -247,7 +247,7 @@ async fn approvals_inbox_lists_every_waiting_call_oldest_first_and_decides_them(
 
     // A cancelled run shows no approve hints.
     let o = agentd(Some(&d), &["runs", "cancel", &other, "--reason", "gone"]).await;
-    assert_eq!(o.code, 4, "beta's run is not alpha's: {}", o.stderr);
+    assert_eq!(o.code, 6, "beta's run is not alpha's: {}", o.stderr);
     let cancelled = d.create(ALPHA, "approver").await;
     d.wait_status(ALPHA, &cancelled, "waiting_approval").await;
     let o = agentd(Some(&d), &["runs", "cancel", &cancelled]).await;
@@ -588,4 +588,92 @@ async fn every_readme_toml_block_is_a_whole_configuration_that_checks() {
             assert!(err.contains("line "), "{err}");
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_scripts_well_json_errors_exit_codes_ndjson_stdin_version_completions() {
+    let d = TestDaemon::start().await;
+    // JSON errors with the API's code, and distinct exit codes.
+    let o = agentd(Some(&d), &["--output", "json", "runs", "get", "run_nope"]).await;
+    assert_eq!(o.code, 6);
+    let e: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(e["error"]["code"], "not_found", "{e}");
+    assert_eq!(e["error"]["http_status"], 404, "{e}");
+    let o = agentd_at(
+        Some((&d.base(), "not-a-token-at-all")),
+        None,
+        &["--output", "json", "runs", "list"],
+    )
+    .await;
+    assert_eq!(o.code, 5, "unauthorised: {}", o.stderr);
+    let e: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(e["error"]["code"], "unauthenticated", "{e}");
+    let o = agentd_at(
+        Some(("http://127.0.0.1:9", ALPHA)),
+        None,
+        &["--output", "json", "runs", "list"],
+    )
+    .await;
+    assert_eq!(o.code, 9, "unavailable: {}", o.stderr);
+    let e: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(e["error"]["code"], "unreachable", "{e}");
+
+    // `-` reads stdin; the run shows its input; NDJSON lines name their run.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agentd"))
+        .env_remove("AGENTD_URL")
+        .env_remove("AGENTD_TOKEN")
+        .args(["--url", &d.base(), "--token", ALPHA, "--output", "json"])
+        .args(["run", "quick", "-", "--follow"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"add these from stdin\n").await.unwrap();
+    }
+    let out = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lines.len() >= 3, "{lines:?}");
+    let id = lines[0]["run_id"].as_str().unwrap().to_owned();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["run_id"] == id.as_str() && l["seq"].is_u64())
+    );
+    let o = agentd(Some(&d), &["--output", "json", "runs", "get", &id]).await;
+    let run: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(run["input"], "add these from stdin", "{run}");
+    let o = agentd(Some(&d), &["runs", "get", &id]).await;
+    assert!(o.stdout.contains("add these from stdin"), "{}", o.stdout);
+
+    // version with the commit; completions; grouped help.
+    let o = agentd(None, &["version"]).await;
+    assert_eq!(o.code, 0);
+    assert!(
+        o.stdout
+            .starts_with(&format!("agentd {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{}",
+        o.stdout
+    );
+    for shell in ["bash", "zsh", "fish"] {
+        let o = agentd(None, &["completions", shell]).await;
+        assert_eq!(o.code, 0, "{shell}: {}", o.stderr);
+        assert!(o.stdout.contains("approvals"), "{shell}");
+    }
+    let o = agentd(None, &["--help"]).await;
+    assert!(o.stdout.contains("Global options:"), "{}", o.stdout);
+    assert!(o.stdout.contains("5  unauthorised"), "{}", o.stdout);
+    let o = agentd(None, &["runs", "get", "--help"]).await;
+    assert!(o.stdout.contains("The run (`run_…`)"), "{}", o.stdout);
+    d.stop().await;
 }
