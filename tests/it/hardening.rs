@@ -109,6 +109,7 @@ async fn an_oversized_output_leaks_neither_a_secret_nor_a_password_anywhere() {
         .push(ToolBehavior::Refuse(400, refusal));
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
     let config = dir.path().join("agentd.toml");
     let log = dir.path().join("agentd.log");
     std::fs::write(&config, oversized_config(&model, &tools, &data)).unwrap();

@@ -142,6 +142,7 @@ tools = ["credit", "ship"]
 async fn sigterm_then_restart_finishes_every_run_without_repeating_a_tool_call() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
     let cfg = dir.path().join("agentd.toml");
     let log = dir.path().join("agentd.log");
     let tools = ToolServer::start().await;
