@@ -16,6 +16,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::chaos_support::{ChildDaemon, check_stored_run, tail};
+use crate::cluster_support::LocalCluster;
 use crate::fakes::ToolServer;
 use crate::redis_support::{shared_redis_url, skip_or_fail, unique_ns};
 
@@ -104,16 +105,28 @@ struct Cluster {
     dir: tempfile::TempDir,
     store_url: String,
     store: SharedStore,
+    /// The local Redis Cluster the daemons share, when they run on one.
+    _redis_cluster: Option<LocalCluster>,
 }
 
 impl Cluster {
     /// A fresh namespace on the shared Redis, or `None` (skip outside CI) without one.
     async fn new() -> Option<Cluster> {
-        let store_url = format!("{}?ns={}", shared_redis_url(), unique_ns());
+        Self::on(format!("{}?ns={}", shared_redis_url(), unique_ns()), None).await
+    }
+
+    /// Daemons on a local three-master Redis Cluster (`redis+cluster://`).
+    async fn on_redis_cluster() -> Option<Cluster> {
+        let redis = LocalCluster::start().await?;
+        let url = format!("{}?ns={}", redis.url(), unique_ns());
+        Self::on(url, Some(redis)).await
+    }
+
+    async fn on(store_url: String, redis_cluster: Option<LocalCluster>) -> Option<Cluster> {
         let store = match agentd::store::open(&store_url).await {
             Ok(s) if s.ping().await.is_ok() => s,
             _ => {
-                skip_or_fail("Redis at 127.0.0.1:6379 is not reachable");
+                skip_or_fail(&format!("Redis at {store_url} is not reachable"));
                 return None;
             }
         };
@@ -121,6 +134,7 @@ impl Cluster {
             dir: tempfile::tempdir().unwrap(),
             store_url,
             store,
+            _redis_cluster: redis_cluster,
         })
     }
 
@@ -285,8 +299,7 @@ async fn a_control_sent_through_another_node_reaches_the_owner_at_once() {
 
 /// Three daemons, 60 runs spread over them; one is stopped with `signal` mid-flight. Returns,
 /// for the stopped node's runs, how long after the stop each finished.
-async fn lose_a_node(signal: &str) -> Option<Vec<Duration>> {
-    let c = Cluster::new().await?;
+async fn lose_a_node(c: Cluster, signal: &str) -> Option<Vec<Duration>> {
     let tools = ToolServer::start().await;
     let nodes = vec![
         c.node("a", &tools, "").await,
@@ -333,7 +346,10 @@ async fn lose_a_node(signal: &str) -> Option<Vec<Duration>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_nodes_runs_finish_on_the_others() {
-    let Some(took) = lose_a_node("KILL").await else {
+    let Some(c) = Cluster::new().await else {
+        return;
+    };
+    let Some(took) = lose_a_node(c, "KILL").await else {
         return;
     };
     let worst = took.iter().max().copied().unwrap_or_default();
@@ -347,7 +363,10 @@ async fn a_killed_nodes_runs_finish_on_the_others() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_terminated_nodes_runs_continue_elsewhere_at_once() {
-    let Some(took) = lose_a_node("TERM").await else {
+    let Some(c) = Cluster::new().await else {
+        return;
+    };
+    let Some(took) = lose_a_node(c, "TERM").await else {
         return;
     };
     let worst = took.iter().max().copied().unwrap_or_default();
@@ -356,5 +375,21 @@ async fn a_terminated_nodes_runs_continue_elsewhere_at_once() {
     assert!(
         worst <= Duration::from_millis(3_500),
         "the last run finished {worst:?} after SIGTERM"
+    );
+}
+
+/// The same on a local three-master Redis Cluster: the daemons run on `redis+cluster://`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_nodes_runs_finish_on_the_others_on_a_redis_cluster() {
+    let Some(c) = Cluster::on_redis_cluster().await else {
+        return;
+    };
+    let Some(took) = lose_a_node(c, "KILL").await else {
+        return;
+    };
+    let worst = took.iter().max().copied().unwrap_or_default();
+    assert!(
+        worst <= Duration::from_secs(10),
+        "the last run finished {worst:?} after the kill"
     );
 }
