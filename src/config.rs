@@ -652,6 +652,8 @@ pub struct LimitsConfig {
     pub max_input_bytes: usize,
     /// Largest `text` of `POST /v1/runs/{id}/input`.
     pub max_input_text_bytes: usize,
+    /// Largest `metadata` of a run, in bytes of JSON (it is returned in every list item).
+    pub max_metadata_bytes: usize,
     /// Non-SSE requests taking longer are answered 408.
     #[serde(with = "crate::config_duration")]
     pub request_timeout: Duration,
@@ -675,6 +677,7 @@ impl Default for LimitsConfig {
             max_body_bytes: 1024 * 1024,
             max_input_bytes: RuntimeConfig::default().max_input_bytes,
             max_input_text_bytes: 64 * 1024,
+            max_metadata_bytes: 4 * 1024,
             request_timeout: Duration::from_secs(30),
             max_active_runs_per_tenant: 0,
             max_streams_per_tenant: 64,

@@ -140,6 +140,20 @@ pub async fn create(
             ),
         ));
     }
+    // Metadata comes back in every list item: bounded much tighter than the body.
+    if let Some(m) = &req.metadata {
+        let len = m.to_string().len();
+        if len > s.limits.max_metadata_bytes {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!(
+                    "metadata is {len} bytes of JSON; the limit is {}",
+                    s.limits.max_metadata_bytes
+                ),
+            ));
+        }
+    }
     let budget = budget_of(&s, req.budget)?;
     let (run, created) = s
         .runtime

@@ -632,3 +632,32 @@ async fn open_event_streams_are_capped_per_tenant() {
     drop(streams);
     d.stop().await;
 }
+
+#[tokio::test]
+async fn run_metadata_is_bounded() {
+    let d = TestDaemon::start().await;
+    let big = json!({"note": "m".repeat(5000)});
+    let (s, v) = d
+        .post(
+            "/v1/runs",
+            ALPHA,
+            json!({"agent": "quick", "input": "x", "metadata": big}),
+        )
+        .await;
+    assert_error(s, &v, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("metadata"),
+        "{v}"
+    );
+    let small = json!({"ticket": "T-1"});
+    let (s, v) = d
+        .post(
+            "/v1/runs",
+            ALPHA,
+            json!({"agent": "quick", "input": "x", "metadata": small}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["metadata"], small);
+    d.stop().await;
+}
