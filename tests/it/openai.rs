@@ -277,3 +277,30 @@ async fn streaming_accumulates_text_and_interleaved_tool_calls() {
     let err = p.complete(&request(true)).await.unwrap_err();
     assert_eq!(err.error.kind, ModelErrorKind::Unavailable);
 }
+
+#[tokio::test]
+async fn a_streamed_reply_larger_than_the_reply_cap_is_refused() {
+    use agentd::model::openai::MAX_REPLY_BYTES;
+    let fake = FakeOpenAi::start().await;
+    let piece = "x".repeat(64 * 1024);
+    let chunk = json!({"choices":[{"index":0,"delta":{"content": piece}}]}).to_string();
+    // Never a finish: without the cap, the reply would grow for as long as the stream lasts.
+    let events = vec![chunk; MAX_REPLY_BYTES / (64 * 1024) + 2];
+    fake.push(Scripted::Sse(events));
+    let mut cfg = OpenAiConfig::new("fake", fake.url(), "fake-model");
+    cfg.compat.stream = true;
+    cfg.timeout = Duration::from_secs(20);
+    let p = OpenAiProvider::new(cfg).unwrap();
+    let err = p.complete(&request(false)).await.unwrap_err();
+    assert_eq!(
+        err.error.kind,
+        ModelErrorKind::Rejected,
+        "{}",
+        err.error.message
+    );
+    assert!(
+        err.error.message.contains("larger than"),
+        "{}",
+        err.error.message
+    );
+}
