@@ -114,6 +114,8 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{0}")]
     InputQueueFull(String),
+    #[error("the run has {0} controls not yet applied, the most allowed; retry once it catches up")]
+    InboxFull(usize),
     #[error("tenant has {0} active runs, the most allowed")]
     TooManyActiveRuns(usize),
     #[error("the store is unavailable: {0}")]
@@ -138,6 +140,7 @@ impl Error {
             Error::UnknownCall(_) => "not_found",
             Error::InvalidArgument(_) => "invalid_argument",
             Error::InputQueueFull(_) => "input_queue_full",
+            Error::InboxFull(_) => "inbox_full",
             Error::TooManyActiveRuns(_) => "too_many_active_runs",
             Error::Store(_) => "store_unavailable",
             Error::ShuttingDown => "shutting_down",
@@ -173,6 +176,9 @@ impl Error {
         }
     }
 }
+
+/// Controls a run's inbox may hold that the run has not applied yet.
+pub const MAX_PENDING_CONTROLS: usize = 64;
 
 /// The answer to the control stored at inbox `seq`, read from the run's committed state.
 fn control_outcome(run: RunState, seq: u64) -> Result<RunState, Error> {
@@ -846,8 +852,15 @@ impl RuntimeHandle {
     /// Stores the control in the run's inbox, wakes the run, and answers with what happened to
     /// that control: applied (the state after it), refused (why), or — when the run could not
     /// answer within `control_timeout` — stored, to be applied in inbox order.
-    async fn control(&self, tenant: &str, id: &RunId, control: Control) -> Result<RunState, Error> {
+    /// A run's inbox holds at most `MAX_PENDING_CONTROLS` entries not yet applied (concurrent
+    /// requests may pass the check together, so the bound is this plus their number).
+    async fn control(&self, run: &RunState, control: Control) -> Result<RunState, Error> {
         let inner = &self.inner;
+        let (tenant, id) = (run.tenant.as_str(), &run.id);
+        let pending = inner.deps.store.controls(id, run.controls_applied).await?;
+        if pending.len() >= MAX_PENDING_CONTROLS {
+            return Err(Error::InboxFull(pending.len()));
+        }
         let seq = inner.deps.store.push_control(id, &control).await?;
         let deadline = tokio::time::Instant::now() + inner.config.control_timeout;
         let sent = inner
@@ -913,7 +926,7 @@ impl RuntimeHandle {
             }
             _ => {}
         }
-        self.control(tenant, id, Control::Cancel { reason }).await
+        self.control(&run, Control::Cancel { reason }).await
     }
 
     /// Approves (optionally with edited arguments) or rejects one pending call, once. Repeating
@@ -975,7 +988,7 @@ impl RuntimeHandle {
                 by,
             }
         };
-        self.control(tenant, id, control).await
+        self.control(&run, control).await
     }
 
     /// Answers a run waiting for input, or queues the text for a running run's next turn.
@@ -987,7 +1000,7 @@ impl RuntimeHandle {
                 message: "the run has already ended".into(),
             });
         }
-        self.control(tenant, id, Control::Input { text }).await
+        self.control(&run, Control::Input { text }).await
     }
 
     /// The configured agents.

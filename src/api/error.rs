@@ -135,6 +135,15 @@ impl From<runtime::Error> for ApiError {
             }
             E::InvalidArgument(m) => ApiError::invalid_argument(m),
             E::InputQueueFull(m) => ApiError::new(StatusCode::CONFLICT, "input_queue_full", m),
+            E::InboxFull(n) => {
+                let mut a = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "inbox_full",
+                    format!("the run has {n} controls not yet applied; retry once it catches up"),
+                );
+                a.retry_after = Some(1);
+                a
+            }
             E::TooManyActiveRuns(n) => {
                 let mut a = ApiError::new(
                     StatusCode::TOO_MANY_REQUESTS,

@@ -756,3 +756,72 @@ async fn a_passivated_run_is_woken_by_its_deadline() {
     check_log(&h, &id).await;
     h.shutdown().await;
 }
+
+/// A node whose definition of a run's agent differs leaves the run alone (the run keeps
+/// waiting, counted as a mismatch), and the run's inbox is bounded: controls sent meanwhile
+/// are stored up to `MAX_PENDING_CONTROLS`, then refused with `inbox_full`. Once a node with
+/// the run's own definition starts, it takes the run and applies them in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_another_agent_definition_leaves_the_run_and_its_inbox_is_bounded() {
+    let asker = || {
+        ScriptedModel::from_fn("m", |req| {
+            Ok(match turn_of(req) {
+                1 => calls(&[("ask_user", json!({"question": "which environment?"}))]),
+                _ => text("deploying"),
+            })
+        })
+    };
+    let store: agentd::store::SharedStore = Arc::new(agentd::store::memory::MemoryStore::new());
+    let mut b = Builder::new()
+        .model(asker())
+        .agent(AgentSpec::new("a", "m").instructions("version 1"));
+    b.store = store.clone();
+    let a = b.start().await;
+    let id = a.start_run("a", "deploy").await;
+    a.handle
+        .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+        .await
+        .unwrap();
+    a.shutdown().await;
+
+    // Node B's agent `a` has other instructions: it must not continue this run.
+    let mut b = Builder::new()
+        .model(asker())
+        .agent(AgentSpec::new("a", "m").instructions("version 2"));
+    b.store = store.clone();
+    b.config.control_timeout = Duration::from_millis(20);
+    let other = b.start().await;
+    let limit = agentd::runtime::MAX_PENDING_CONTROLS;
+    for i in 0..limit {
+        let run = other
+            .handle
+            .input(TENANT, &id, format!("answer {i}"))
+            .await
+            .unwrap();
+        assert_eq!(run.status, Status::WaitingInput, "B must not apply it");
+    }
+    let err = other
+        .handle
+        .input(TENANT, &id, "one too many".into())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "inbox_full", "{err}");
+    let run = other.handle.get_run(TENANT, &id).await.unwrap();
+    assert_eq!(
+        (run.status, run.controls_applied),
+        (Status::WaitingInput, 0)
+    );
+    other.shutdown().await;
+
+    // A node with the run's own definition takes it and applies the inbox in order: the first
+    // input answers the question, the rest are queued for the next turn, and the run ends.
+    let mut b = Builder::new()
+        .model(asker())
+        .agent(AgentSpec::new("a", "m").instructions("version 1"));
+    b.store = store.clone();
+    let c = b.start().await;
+    let run = c.finish(&id).await;
+    assert_eq!(run.status, Status::Succeeded, "{:?}", run.error);
+    assert_eq!(run.controls_applied, limit as u64);
+    c.shutdown().await;
+}
