@@ -278,6 +278,19 @@ pub struct ModelConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub timeout: Option<Duration>,
+    /// openai: output cap per call (sent as `max_tokens` or the dialect's field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// openai: sampling temperature, 0 to 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// openai: stream replies (SSE).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// The server's context limit in tokens: requests are built to fit under it, leaving room
+    /// for `max_tokens` of output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<usize>,
     /// scripted: path of a JSON cassette.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cassette: Option<PathBuf>,
@@ -314,6 +327,10 @@ impl ModelConfig {
             requests_per_minute: None,
             tokens_per_minute: None,
             timeout: None,
+            max_tokens: None,
+            temperature: None,
+            stream: None,
+            context_window: None,
             cassette: None,
             replies: Some(replies),
             rules: None,
@@ -386,6 +403,11 @@ pub struct ToolConfig {
     /// A polling tool may repeat the same call without counting as no progress.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub polling: Option<bool>,
+    /// Attempts of one call (the first included) when a `read` or `idempotent` tool fails
+    /// transiently; the runtime retries with the same idempotency key before the model hears
+    /// of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
     /// mcp (stdio): the server's command and arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
@@ -440,6 +462,7 @@ impl ToolConfig {
             max_output_bytes: None,
             requests_per_second: None,
             polling: None,
+            max_attempts: None,
             command: None,
             args: Vec::new(),
             effects: BTreeMap::new(),
@@ -555,6 +578,9 @@ pub struct RuntimeSection {
     pub model_retry_base: Duration,
     #[serde(with = "crate::config_duration")]
     pub model_retry_max: Duration,
+    /// Model retries stop this long after a request's first failed attempt.
+    #[serde(with = "crate::config_duration")]
+    pub model_retry_window: Duration,
     pub tool_workers: usize,
     pub tool_queue: usize,
     #[serde(with = "crate::config_duration")]
@@ -593,6 +619,7 @@ impl Default for RuntimeSection {
             model_max_attempts: r.gateway.max_attempts,
             model_retry_base: r.gateway.retry_base,
             model_retry_max: r.gateway.retry_max,
+            model_retry_window: r.gateway.retry_window,
             tool_workers: r.tool_pool.workers,
             tool_queue: r.tool_pool.queue,
             lease_ttl: r.lease_ttl,
@@ -688,6 +715,46 @@ impl Default for LimitsConfig {
             max_deadline: Duration::from_secs(24 * 3600),
         }
     }
+}
+
+/// `[models.X]` generation options: an output cap, a temperature and a context window that
+/// leaves room for the output.
+fn validate_model_options(key: &str, m: &ModelConfig) -> Result<(), Error> {
+    if m.max_tokens == Some(0) {
+        return Err(invalid(format!("{key}.max_tokens"), "must be at least 1"));
+    }
+    if let Some(t) = m.temperature
+        && !(t.is_finite() && (0.0..=2.0).contains(&t))
+    {
+        return Err(invalid(
+            format!("{key}.temperature"),
+            "must be between 0 and 2",
+        ));
+    }
+    if let Some(w) = m.context_window {
+        let output = m.max_tokens.unwrap_or(0) as usize;
+        if w <= output {
+            return Err(invalid(
+                format!("{key}.context_window"),
+                "must be larger than max_tokens (the output needs room in the window)",
+            ));
+        }
+    }
+    if m.kind == ModelKind::Scripted {
+        for (k, set) in [
+            ("max_tokens", m.max_tokens.is_some()),
+            ("temperature", m.temperature.is_some()),
+            ("stream", m.stream.is_some()),
+        ] {
+            if set {
+                return Err(invalid(
+                    format!("{key}.{k}"),
+                    "applies only to kind \"openai\"",
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn valid_name(name: &str) -> bool {
@@ -964,6 +1031,7 @@ impl Config {
                     "a model name must match ^[a-zA-Z0-9_-]{1,64}$",
                 ));
             }
+            validate_model_options(&key, m)?;
             match m.kind {
                 ModelKind::Openai => {
                     let Some(u) = &m.base_url else {
@@ -1048,6 +1116,14 @@ impl Config {
             };
             need_url(&t.url, "url")?;
             need_url(&t.status_url, "status_url")?;
+            if let Some(n) = t.max_attempts
+                && !(1..=crate::tool::MAX_CALL_ATTEMPTS).contains(&n)
+            {
+                return Err(invalid(
+                    format!("{key}.max_attempts"),
+                    format!("must be between 1 and {}", crate::tool::MAX_CALL_ATTEMPTS),
+                ));
+            }
             if let Some(p) = &t.parameters {
                 jsonschema::draft202012::options().build(p).map_err(|e| {
                     invalid(
@@ -1209,6 +1285,12 @@ impl Config {
         if r.max_live_runs == 0 {
             return Err(invalid("runtime.max_live_runs", "must be at least 1"));
         }
+        if r.model_retry_window.is_zero() {
+            return Err(invalid(
+                "runtime.model_retry_window",
+                "must be longer than 0s (it is the time model retries may take)",
+            ));
+        }
         if let Some(node) = &r.node_id
             && !valid_name(node)
         {
@@ -1301,6 +1383,7 @@ impl Config {
                 max_attempts: r.model_max_attempts,
                 retry_base: r.model_retry_base,
                 retry_max: r.model_retry_max,
+                retry_window: r.model_retry_window,
                 tenant_max_in_flight: r.model_max_in_flight_per_tenant,
             },
             tool_pool: PoolSize {

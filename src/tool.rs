@@ -122,7 +122,14 @@ pub struct ToolSpec {
     /// Permissions, argument deny and path rules, and result projection (`run::guard`),
     /// checked by the runtime before approval and execution.
     pub guard: Arc<Guard>,
+    /// Attempts of one call, the first included, when a `read` or `idempotent` tool fails
+    /// transiently (retried by the executor with the same key; `unsafe` tools are never
+    /// retried blindly).
+    pub max_attempts: u32,
 }
+
+/// The most attempts a tool may configure for one call.
+pub const MAX_CALL_ATTEMPTS: u32 = 10;
 
 impl ToolSpec {
     /// A spec with conservative defaults: `unsafe`, `medium` risk, no approval, 30 s, 64 KiB
@@ -142,6 +149,7 @@ impl ToolSpec {
             polling: false,
             reconcilable: false,
             guard: Arc::new(Guard::default()),
+            max_attempts: 3,
         }
     }
 
@@ -184,6 +192,11 @@ impl ToolSpec {
 
     pub fn guard(mut self, guard: Guard) -> Self {
         self.guard = Arc::new(guard);
+        self
+    }
+
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n.clamp(1, MAX_CALL_ATTEMPTS);
         self
     }
 }
@@ -254,6 +267,10 @@ impl ToolErrorCode {
 pub struct ToolError {
     pub code: ToolErrorCode,
     pub message: String,
+    /// A tool-given minimum wait before another attempt (`Retry-After`); used by the
+    /// executor's retries, never shown to the model.
+    #[serde(skip)]
+    pub retry_after: Option<Duration>,
 }
 
 impl ToolError {
@@ -261,6 +278,7 @@ impl ToolError {
         ToolError {
             code,
             message: message.into(),
+            retry_after: None,
         }
     }
 }

@@ -57,6 +57,10 @@ fn default_toml_documents_every_key() {
     model.rules = Some(vec![]);
     model.default_reply = Some(CassetteReply::default());
     model.delay = Some(Duration::from_secs(1));
+    model.max_tokens = Some(1);
+    model.temperature = Some(0.0);
+    model.stream = Some(false);
+    model.context_window = Some(2);
     c.models.insert("all".into(), model);
     let mut tool = ToolConfig::builtin("echo");
     tool.url = Some("x".into());
@@ -69,6 +73,7 @@ fn default_toml_documents_every_key() {
     tool.max_output_bytes = Some(1);
     tool.requests_per_second = NonZeroU32::new(1);
     tool.polling = Some(true);
+    tool.max_attempts = Some(1);
     tool.command = Some("x".into());
     tool.args = vec!["x".into()];
     tool.risk = Some(crate::tool::RiskLevel::High);
@@ -215,6 +220,62 @@ fn validation_names_the_key() {
     );
     let err = Config::from_toml("[server]\nshutdown_timeout = \"soon\"\n").unwrap_err();
     assert!(err.to_string().contains("invalid duration"), "{err}");
+}
+
+#[test]
+fn model_and_tool_call_bounds_are_validated() {
+    let openai = |edit: &dyn Fn(&mut ModelConfig)| -> Result<(), String> {
+        let mut c = Config::from_toml(MINIMAL).unwrap();
+        let mut m = ModelConfig::scripted(vec![]);
+        m.kind = ModelKind::Openai;
+        m.replies = None;
+        m.base_url = Some("http://127.0.0.1:1/v1".into());
+        m.model = Some("x".into());
+        edit(&mut m);
+        c.models.insert("m".into(), m);
+        c.validate().map_err(|e| e.to_string())
+    };
+    openai(&|m| {
+        m.max_tokens = Some(512);
+        m.temperature = Some(0.7);
+        m.stream = Some(true);
+        m.context_window = Some(4096);
+    })
+    .unwrap();
+    type Edit<'a> = &'a dyn Fn(&mut ModelConfig);
+    let rows: [(Edit, &str); 4] = [
+        (&|m| m.max_tokens = Some(0), "models.m.max_tokens:"),
+        (&|m| m.temperature = Some(2.5), "models.m.temperature:"),
+        (&|m| m.temperature = Some(f32::NAN), "models.m.temperature:"),
+        (
+            &|m| {
+                m.max_tokens = Some(512);
+                m.context_window = Some(512);
+            },
+            "models.m.context_window:",
+        ),
+    ];
+    for (edit, key) in rows {
+        let err = openai(edit).unwrap_err();
+        assert!(err.starts_with(key), "{err}");
+    }
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.models.get_mut("m").unwrap().max_tokens = Some(10);
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.starts_with("models.m.max_tokens:"), "{err}");
+    for n in [0, crate::tool::MAX_CALL_ATTEMPTS + 1] {
+        let mut c = Config::from_toml(MINIMAL).unwrap();
+        c.tools.get_mut("restart_service").unwrap().max_attempts = Some(n);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.starts_with("tools.restart_service.max_attempts:"),
+            "{err}"
+        );
+    }
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.runtime.model_retry_window = Duration::ZERO;
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.starts_with("runtime.model_retry_window:"), "{err}");
 }
 
 #[test]

@@ -148,6 +148,9 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> Result<ToolSpec, Bui
     if let Some(p) = t.polling {
         spec.polling = p;
     }
+    if let Some(n) = t.max_attempts {
+        spec.max_attempts = n;
+    }
     Ok(spec)
 }
 
@@ -289,6 +292,9 @@ async fn register_mcp(
         if let Some(a) = t.on_approval_timeout {
             spec.on_approval_timeout = a;
         }
+        if let Some(n) = t.max_attempts {
+            spec.max_attempts = n;
+        }
         names.push(spec.name.clone());
         let inner: Arc<dyn Tool> = tool;
         registry
@@ -297,6 +303,17 @@ async fn register_mcp(
     }
     tracing::info!(server = %name, tools = names.len(), "MCP server started");
     Ok(names)
+}
+
+/// The agent's context target, capped by its model's `context_window` minus the room kept for
+/// the output (`max_tokens`).
+fn fit_context(context_tokens: usize, model: Option<&ModelConfig>) -> usize {
+    match model.and_then(|m| m.context_window.map(|w| (w, m.max_tokens))) {
+        Some((window, output)) => {
+            context_tokens.min(window.saturating_sub(output.unwrap_or(0) as usize).max(1))
+        }
+        None => context_tokens,
+    }
 }
 
 fn build_model(
@@ -317,6 +334,11 @@ fn build_model(
             let mut config = OpenAiConfig::new(name, base_url, model);
             config.api_key = resolve(&m.api_key, &format!("{key}.api_key"))?.map(ApiKey::new);
             config.timeout = m.timeout.unwrap_or(default_timeout);
+            config.max_output_tokens = m.max_tokens;
+            config.temperature = m.temperature;
+            if let Some(stream) = m.stream {
+                config.compat.stream = stream;
+            }
             let provider = OpenAiProvider::new(config)
                 .map_err(|e| invalid(key, e.message))?
                 .with_redactor(redactor);
@@ -447,7 +469,7 @@ pub async fn build_parts(
                 deadline_ms: None,
             })
             .context(ContextBudget {
-                max_tokens: a.context_tokens,
+                max_tokens: fit_context(a.context_tokens, config.models.get(&a.model)),
                 max_tool_output_bytes: a.context_tool_output_bytes,
             });
         if let Some(d) = a.deadline {

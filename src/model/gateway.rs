@@ -1,8 +1,9 @@
 //! The model gateway: the shared pool through which every run calls its model. Limits are
 //! applied inside the workers (governor: requests per second and tokens per minute per model),
 //! so a job over the rate waits in the bounded queue instead of being dropped. Provider faults
-//! are retried here, honouring `Retry-After`, with capped jittered backoff: what reaches a run
-//! is final for that turn.
+//! are retried here, honouring `Retry-After`, with capped jittered backoff, up to
+//! `max_attempts` and within `retry_window` from the first failure: what reaches a run is final
+//! for that turn. Every failed attempt is logged at WARN with the run id.
 //!
 //! Fairness between tenants: requests are admitted to the pool's workers through per-tenant
 //! queues served round-robin (`Fair`), and optionally capped per tenant
@@ -42,6 +43,10 @@ pub struct GatewayConfig {
     pub max_attempts: u32,
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// Retries stop once this much time has passed since the request's first failed attempt:
+    /// long enough to ride out a provider restart, short enough that a dead provider fails
+    /// the run.
+    pub retry_window: Duration,
     /// Requests of one tenant in the workers at once; 0 = no cap (round-robin only).
     pub tenant_max_in_flight: usize,
 }
@@ -54,9 +59,10 @@ impl Default for GatewayConfig {
                 queue: 65_536,
             },
             timeout: Duration::from_secs(60),
-            max_attempts: 4,
+            max_attempts: 10,
             retry_base: Duration::from_millis(250),
-            retry_max: Duration::from_secs(20),
+            retry_max: Duration::from_secs(5),
+            retry_window: Duration::from_secs(30),
             tenant_max_in_flight: 0,
         }
     }
@@ -379,6 +385,7 @@ async fn call_with_retries(
     let stats = &shared.stats;
     let limiters = shared.limiters.get(&request.model);
     let mut attempt = 0;
+    let mut first_failure: Option<Instant> = None;
     loop {
         attempt += 1;
         if let Some(l) = limiters {
@@ -400,6 +407,9 @@ async fn call_with_retries(
         }
         stats.attempts.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
+        // On timeout the attempt's future is dropped, and with it the HTTP connection: the
+        // provider sees the client go away and stops generating, so a retry does not queue
+        // behind an abandoned generation.
         let outcome = match tokio::time::timeout(config.timeout, provider.complete(request)).await {
             Ok(r) => r,
             Err(_) => Err(ModelError::new(
@@ -411,19 +421,52 @@ async fn call_with_retries(
         stats
             .latency_us_total
             .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-        match outcome {
+        let e = match outcome {
             Ok(reply) => return Ok(reply),
-            Err(e) if e.error.kind.is_retryable() && attempt < config.max_attempts => {
+            Err(e) => e,
+        };
+        let since_failure = first_failure.get_or_insert_with(Instant::now).elapsed();
+        let wait = backoff(config, attempt).max(e.retry_after.unwrap_or_default());
+        match retry_decision(config, &e.error, attempt, since_failure, wait) {
+            Retry::Again => {
                 stats.retries.fetch_add(1, Ordering::Relaxed);
-                let wait = backoff(config, attempt).max(e.retry_after.unwrap_or_default());
-                tracing::debug!(run = %request.run_id, model = %request.model, attempt, ?wait, error = %e.error, "model attempt failed; retrying");
+                tracing::warn!(run_id = %request.run_id, model = %request.model, attempt, ?wait, error = %e.error, "model attempt failed; retrying");
                 tokio::time::sleep(wait).await;
             }
-            Err(e) => {
+            Retry::GiveUp(why) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(run_id = %request.run_id, model = %request.model, attempt, error = %e.error, why, "model call failed; giving up");
                 return Err(e.error);
             }
         }
+    }
+}
+
+/// Whether a failed attempt is tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    Again,
+    /// Why not (for the log line).
+    GiveUp(&'static str),
+}
+
+/// A retryable failure is tried again while attempts remain and the next attempt would start
+/// within the retry window (counted from the first failure).
+fn retry_decision(
+    config: &GatewayConfig,
+    error: &ModelError,
+    attempt: u32,
+    since_first_failure: Duration,
+    wait: Duration,
+) -> Retry {
+    if !error.kind.is_retryable() {
+        Retry::GiveUp("not retryable")
+    } else if attempt >= config.max_attempts {
+        Retry::GiveUp("no attempts left")
+    } else if since_first_failure.saturating_add(wait) > config.retry_window {
+        Retry::GiveUp("retry window exhausted")
+    } else {
+        Retry::Again
     }
 }
 
@@ -577,6 +620,40 @@ mod tests {
 #[cfg(test)]
 mod quota_tests {
     use super::*;
+
+    #[test]
+    fn retries_stop_at_the_attempt_cap_or_the_window() {
+        let config = GatewayConfig {
+            max_attempts: 5,
+            retry_window: Duration::from_secs(30),
+            ..GatewayConfig::default()
+        };
+        let down = ModelError::new(ModelErrorKind::Unavailable, "refused");
+        let refused = ModelError::new(ModelErrorKind::Rejected, "bad request");
+        let s = Duration::from_secs;
+        // (error, attempt, since the first failure, wait, expected)
+        let rows = [
+            (&down, 1, s(0), s(1), Retry::Again),
+            (&down, 4, s(10), s(5), Retry::Again),
+            (&down, 5, s(1), s(1), Retry::GiveUp("no attempts left")),
+            (
+                &down,
+                2,
+                s(28),
+                s(3),
+                Retry::GiveUp("retry window exhausted"),
+            ),
+            (&down, 2, s(25), s(5), Retry::Again),
+            (&refused, 1, s(0), s(1), Retry::GiveUp("not retryable")),
+        ];
+        for (error, attempt, since, wait, want) in rows {
+            assert_eq!(
+                retry_decision(&config, error, attempt, since, wait),
+                want,
+                "{error} attempt {attempt} after {since:?} + {wait:?}"
+            );
+        }
+    }
 
     #[test]
     fn per_minute_limits_admit_one_seconds_share_at_once() {

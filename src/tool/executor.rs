@@ -9,16 +9,26 @@
 //! - **Redact, then cut.** A result is redacted whole (data and error message) before its data
 //!   is capped at `max_output_bytes` and its message at [`MAX_ERROR_MESSAGE_CHARS`], so no cut
 //!   hides a sensitive key or splits a secret (see `ToolResult::sanitized`).
+//!
+//! Retries by class: a transient failure (`retryable`: refused, 408, 429, 5xx of a read tool;
+//! `timeout`; `outcome_unknown` of an idempotent tool) of a `read` or `idempotent` tool is
+//! tried again here, with capped jittered backoff (at least the tool's `Retry-After`) and the
+//! same idempotency key, up to the tool's `max_attempts`, before the run — and the model —
+//! hear of it. `unsafe` tools are never retried here: their unknown outcomes go to the run's
+//! reconcile / operator path. Business errors (other 4xx) and permission errors are final.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use serde_json::Value;
 
-use super::{MAX_ERROR_MESSAGE_CHARS, Tool, ToolContext, ToolError, ToolErrorCode, ToolResult};
+use super::{
+    MAX_ERROR_MESSAGE_CHARS, Tool, ToolContext, ToolEffect, ToolError, ToolErrorCode, ToolResult,
+};
 use crate::pool::{Pool, PoolJob, PoolSize, ReplyOnce};
 use crate::redact::Redactor;
 
@@ -115,6 +125,84 @@ impl ToolExecutor {
     }
 }
 
+/// Backoff between attempts of one call: the first retry waits about this long.
+const RETRY_BASE: Duration = Duration::from_millis(100);
+/// No wait between attempts is longer than this (a longer `Retry-After` gives up instead).
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// One attempt, bounded by the tool's timeout. A timed-out attempt has its own token
+/// cancelled (a tool that watches it stops), not the call's.
+async fn attempt(tool: &dyn Tool, ctx: &ToolContext, arguments: Value) -> ToolResult {
+    let spec = tool.spec();
+    let timeout = spec.timeout;
+    let ctx = ToolContext {
+        cancel: ctx.cancel.child_token(),
+        ..ctx.clone()
+    };
+    match tokio::time::timeout(timeout, tool.call(&ctx, arguments)).await {
+        Ok(Ok(data)) => ToolResult::success(data),
+        Ok(Err(e)) => ToolResult::failure(e),
+        Err(_) => {
+            ctx.cancel.cancel();
+            ToolResult::failure(ToolError::new(
+                ToolErrorCode::Timeout,
+                format!("no result within {timeout:?}"),
+            ))
+        }
+    }
+}
+
+/// Whether a failed call of a tool with `effect` may be sent again with the same key.
+pub fn is_transient(effect: ToolEffect, code: ToolErrorCode) -> bool {
+    match effect {
+        ToolEffect::Read => matches!(code, ToolErrorCode::Retryable | ToolErrorCode::Timeout),
+        ToolEffect::Idempotent => matches!(
+            code,
+            ToolErrorCode::Retryable | ToolErrorCode::Timeout | ToolErrorCode::OutcomeUnknown
+        ),
+        ToolEffect::Unsafe => false,
+    }
+}
+
+/// Capped exponential backoff with jitter between 50 % and 100 %, never shorter than the
+/// tool's `Retry-After`; `None` when that is longer than `RETRY_MAX`.
+fn retry_wait(attempt: u32, retry_after: Option<Duration>) -> Option<Duration> {
+    let exp = RETRY_BASE.saturating_mul(1u32 << attempt.saturating_sub(1).min(16));
+    let jittered = exp
+        .min(RETRY_MAX)
+        .mul_f64(0.5 + rand::random::<f64>() * 0.5);
+    let wait = jittered.max(retry_after.unwrap_or_default());
+    (wait <= RETRY_MAX).then_some(wait)
+}
+
+/// Runs the call, retrying transient failures by the tool's class (see the module doc).
+async fn call_with_retries(tool: &dyn Tool, ctx: &ToolContext, arguments: Value) -> ToolResult {
+    let spec = tool.spec();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let result = attempt(tool, ctx, arguments.clone()).await;
+        let Some(error) = &result.error else {
+            return result;
+        };
+        if !is_transient(spec.effect, error.code) || tries >= spec.max_attempts {
+            return result;
+        }
+        let Some(wait) = retry_wait(tries, error.retry_after) else {
+            return result;
+        };
+        tracing::warn!(
+            run_id = %ctx.run_id, call_id = %ctx.call_id, tool = %spec.name, attempt = tries,
+            ?wait, error = %error, "tool attempt failed; retrying with the same key"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            // The run no longer waits for this call: report the last failure.
+            () = ctx.cancel.cancelled() => return result,
+        }
+    }
+}
+
 #[async_trait]
 impl PoolJob for ToolJob {
     async fn run(mut self) {
@@ -145,23 +233,11 @@ impl PoolJob for ToolJob {
             return;
         }
         let outcome = match work {
-            ToolWork::Call { arguments } => {
-                let result =
-                    match tokio::time::timeout(timeout, self.tool.call(&self.ctx, arguments)).await
-                    {
-                        Ok(Ok(data)) => ToolResult::success(data),
-                        Ok(Err(e)) => ToolResult::failure(e),
-                        Err(_) => {
-                            // Tell a tool that watches its token to stop; its outcome is unknown.
-                            self.ctx.cancel.cancel();
-                            ToolResult::failure(ToolError::new(
-                                ToolErrorCode::Timeout,
-                                format!("no result within {timeout:?}"),
-                            ))
-                        }
-                    };
-                ToolOutcome::Result(result.sanitized(redactor, max_bytes))
-            }
+            ToolWork::Call { arguments } => ToolOutcome::Result(
+                call_with_retries(self.tool.as_ref(), &self.ctx, arguments)
+                    .await
+                    .sanitized(redactor, max_bytes),
+            ),
             ToolWork::Status => {
                 let status = match tokio::time::timeout(timeout, self.tool.status(&self.ctx)).await
                 {
@@ -190,5 +266,47 @@ impl PoolJob for ToolJob {
             ToolWork::Status => ToolOutcome::Status(Err(error)),
         };
         self.reply.send(outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transient_failures_by_effect() {
+        use ToolEffect::{Idempotent, Read, Unsafe};
+        use ToolErrorCode as C;
+        // (effect, code, retried here)
+        let rows = [
+            (Read, C::Retryable, true),
+            (Read, C::Timeout, true),
+            (Read, C::Failed, false),
+            (Read, C::Permission, false),
+            (Read, C::InvalidArgument, false),
+            (Idempotent, C::OutcomeUnknown, true),
+            (Idempotent, C::Timeout, true),
+            (Idempotent, C::Retryable, true),
+            (Idempotent, C::Failed, false),
+            (Unsafe, C::Retryable, false),
+            (Unsafe, C::OutcomeUnknown, false),
+            (Unsafe, C::Timeout, false),
+            (Read, C::Overloaded, false),
+        ];
+        for (effect, code, want) in rows {
+            assert_eq!(is_transient(effect, code), want, "{effect:?} {code:?}");
+        }
+    }
+
+    #[test]
+    fn waits_are_capped_and_honour_retry_after() {
+        for attempt in 1..20 {
+            let w = retry_wait(attempt, None).unwrap();
+            assert!(w <= RETRY_MAX, "{attempt}: {w:?}");
+            assert!(w >= RETRY_BASE / 2, "{attempt}: {w:?}");
+        }
+        let w = retry_wait(1, Some(Duration::from_secs(2))).unwrap();
+        assert!(w >= Duration::from_secs(2), "{w:?}");
+        assert_eq!(retry_wait(1, Some(Duration::from_secs(60))), None);
     }
 }

@@ -191,8 +191,11 @@ impl HttpTool {
                 .map_err(|e| self.transport_error(&e, "reading the result"))?;
             return Ok(body_value(&bytes, cut));
         }
+        let retry_after = retry_after(response.headers());
         let message = server_message(&mut response).await;
-        Err(ToolError::new(self.classify_status(status), message))
+        let mut error = ToolError::new(self.classify_status(status), message);
+        error.retry_after = retry_after;
+        Err(error)
     }
 
     fn classify_status(&self, status: StatusCode) -> ToolErrorCode {
@@ -303,6 +306,18 @@ fn body_value(bytes: &[u8], cut: bool) -> Value {
 
 /// The server's error message (bounded by the body read): `{"error":{"message"}}`, `{"error":"…"}`,
 /// `{"message":"…"}`, or the body text.
+/// `Retry-After` in seconds (the HTTP-date form is not used by tool servers we know of).
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<std::time::Duration> {
+    headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(std::time::Duration::from_secs)
+}
+
 async fn server_message(response: &mut reqwest::Response) -> String {
     let status = response.status();
     let bytes = read_body_capped(response, MAX_ERROR_BODY_BYTES)

@@ -117,6 +117,18 @@ struct OpenAiState {
     /// `(window start, requests admitted in it)`.
     window: Mutex<Option<(std::time::Instant, u32)>>,
     rejected: std::sync::atomic::AtomicU64,
+    /// `Hang` handlers dropped because the client went away (its connection closed).
+    abandoned: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Counts a hanging handler dropped by the server, which happens when the client closes the
+/// connection.
+struct CountOnDrop(Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// A fake OpenAI-compatible server: `POST /v1/chat/completions` pops the next scripted reply
@@ -178,6 +190,13 @@ impl FakeOpenAi {
     /// Scripted replies not yet consumed.
     pub fn remaining(&self) -> usize {
         self.state.script.lock().unwrap().len()
+    }
+
+    /// Hanging requests whose client closed the connection.
+    pub fn abandoned(&self) -> u64 {
+        self.state
+            .abandoned
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -250,7 +269,10 @@ async fn chat(State(state): State<Arc<OpenAiState>>, headers: HeaderMap, body: S
                 .body(Body::from(text))
                 .unwrap()
         }
-        Some(Scripted::Hang) => std::future::pending().await,
+        Some(Scripted::Hang) => {
+            let _guard = CountOnDrop(Arc::clone(&state.abandoned));
+            std::future::pending().await
+        }
     }
 }
 

@@ -23,6 +23,9 @@ mod durability;
 /// End to end through the HTTP API: the OpenAI provider, HTTP and MCP tools, faults,
 /// approvals, prompt injection, secret canaries and the retry-amplification figure.
 mod e2e;
+/// Model and tool calls that fail or run long: bounded generations, retries by class,
+/// progress by results.
+mod failures;
 /// Fake OpenAI-compatible server and recording HTTP tool server.
 mod fakes;
 /// Hostile inputs: oversized outputs with secrets, calls cancelled while queued, bodies that
