@@ -1089,6 +1089,12 @@ fn advance_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
     finish_batch(s, cx)
 }
 
+/// Of (tool, result envelope as the model sees it): the same answer from the same tool is no
+/// new state, whatever the arguments were.
+fn result_fingerprint(tool: &str, result: &ToolResult) -> u64 {
+    call_fingerprint(tool, &serde_json::to_value(result).unwrap_or(Value::Null))
+}
+
 /// All calls are done: answer each in order, judge progress, take the next turn.
 fn finish_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
     let calls = std::mem::take(&mut s.calls);
@@ -1102,6 +1108,7 @@ fn finish_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
         }
         outcomes.push(CallOutcome {
             fingerprint: c.fingerprint,
+            result_fingerprint: result_fingerprint(&c.tool, &result),
             polling: c.polling,
             ok: result.ok,
         });

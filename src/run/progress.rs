@@ -1,13 +1,19 @@
-//! No-progress detection: repeated call fingerprints, failure streaks, and turns without any
-//! state change, answered with a graduated response (nudge, then a forced final turn without
-//! tools, then `no_progress`). Pure.
+//! No-progress detection: repeated call fingerprints, repeated results, failure streaks, and
+//! turns without any state change, answered with a graduated response (nudge, then a forced
+//! final turn without tools, then `no_progress`). Pure.
+//!
+//! Progress means new state: a call counts as a change only when both its (tool, arguments)
+//! and its (tool, result) fingerprints are new. A model that drifts its arguments
+//! ("Paris, France" → "Paris, France," → …) while the tool answers the same thing repeats the
+//! same result, and that is a repeat like any other.
 
 use serde::{Deserialize, Serialize};
 
 /// Thresholds; a value of 0 turns that signal off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProgressPolicy {
-    /// The same (tool, canonical arguments) this many times is a signal.
+    /// The same (tool, canonical arguments), or the same (tool, result), this many times is a
+    /// signal.
     pub repeat_limit: u32,
     /// This many failed tool calls in a row is a signal.
     pub failure_limit: u32,
@@ -50,7 +56,10 @@ pub enum Verdict {
 /// One finished call as progress tracking sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct CallOutcome {
+    /// Of (tool, canonical arguments).
     pub fingerprint: u64,
+    /// Of (tool, result envelope).
+    pub result_fingerprint: u64,
     pub polling: bool,
     pub ok: bool,
 }
@@ -60,6 +69,10 @@ pub struct CallOutcome {
 pub struct Progress {
     /// (fingerprint, times seen), in first-seen order.
     pub seen: Vec<(u64, u32)>,
+    /// (result fingerprint, times seen), in first-seen order. Absent in checkpoints written
+    /// before results were tracked.
+    #[serde(default)]
+    pub results_seen: Vec<(u64, u32)>,
     pub failure_streak: u32,
     pub stale_turns: u32,
     pub escalation: Escalation,
@@ -76,19 +89,16 @@ impl Progress {
                 changed |= call.ok;
                 continue;
             }
-            let count = match self.seen.iter_mut().find(|(f, _)| *f == call.fingerprint) {
-                Some((_, n)) => {
-                    *n += 1;
-                    *n
-                }
-                None => {
-                    self.seen.push((call.fingerprint, 1));
-                    changed |= call.ok;
-                    1
-                }
-            };
+            let count = bump(&mut self.seen, call.fingerprint);
+            let results = bump(&mut self.results_seen, call.result_fingerprint);
+            changed |= call.ok && count == 1 && results == 1;
             if policy.repeat_limit > 0 && count >= policy.repeat_limit {
                 signal.get_or_insert(format!("the same call was made {count} times"));
+            }
+            if policy.repeat_limit > 0 && results >= policy.repeat_limit {
+                signal.get_or_insert(format!(
+                    "the same result came back {results} times (different arguments, nothing new)"
+                ));
             }
             if call.ok {
                 self.failure_streak = 0;
@@ -127,16 +137,98 @@ impl Progress {
     }
 }
 
+/// Counts one more sighting of `fingerprint`; returns the count.
+fn bump(seen: &mut Vec<(u64, u32)>, fingerprint: u64) -> u32 {
+    match seen.iter_mut().find(|(f, _)| *f == fingerprint) {
+        Some((_, n)) => {
+            *n += 1;
+            *n
+        }
+        None => {
+            seen.push((fingerprint, 1));
+            1
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A call whose result is as new as its arguments.
     fn call(fingerprint: u64, ok: bool) -> CallOutcome {
         CallOutcome {
             fingerprint,
+            result_fingerprint: fingerprint + 1_000,
             polling: false,
             ok,
         }
+    }
+
+    fn answered(fingerprint: u64, result_fingerprint: u64) -> CallOutcome {
+        CallOutcome {
+            fingerprint,
+            result_fingerprint,
+            polling: false,
+            ok: true,
+        }
+    }
+
+    #[test]
+    fn progress_is_judged_by_results_table() {
+        let p = ProgressPolicy::default();
+        // (calls of each turn as (arguments, result) fingerprints, verdict kinds in order)
+        type Turns<'a> = &'a [(u64, u64)];
+        let rows: [(Turns, &[&str]); 4] = [
+            // New arguments, new results: progress.
+            (&[(1, 10), (2, 20), (3, 30), (4, 40)], &["c", "c", "c", "c"]),
+            // Drifting arguments, the same result: a repeat.
+            (
+                &[(1, 10), (2, 10), (3, 10), (4, 10), (5, 10)],
+                &["c", "c", "n", "f", "x"],
+            ),
+            // The same arguments, the same result: a repeat.
+            (&[(1, 10), (1, 10), (1, 10)], &["c", "c", "n"]),
+            // A result seen before, then new ones: the streak of new state resumes.
+            (&[(1, 10), (2, 10), (3, 30), (4, 40)], &["c", "c", "c", "c"]),
+        ];
+        for (turns, want) in rows {
+            let mut t = Progress::default();
+            let got: Vec<&str> = turns
+                .iter()
+                .map(|&(f, r)| match t.record_turn(&[answered(f, r)], &p) {
+                    Verdict::Continue => "c",
+                    Verdict::Nudge(_) => "n",
+                    Verdict::ForceFinal(_) => "f",
+                    Verdict::Fail(_) => "x",
+                })
+                .collect();
+            assert_eq!(got, want, "{turns:?}");
+        }
+    }
+
+    #[test]
+    fn the_same_result_counts_as_no_state_change() {
+        let p = ProgressPolicy {
+            repeat_limit: 0,
+            failure_limit: 0,
+            stale_turn_limit: 2,
+        };
+        let mut t = Progress::default();
+        assert_eq!(t.record_turn(&[answered(1, 10)], &p), Verdict::Continue);
+        assert_eq!(t.record_turn(&[answered(2, 10)], &p), Verdict::Continue);
+        assert!(matches!(
+            t.record_turn(&[answered(3, 10)], &p),
+            Verdict::Nudge(r) if r.contains("turns without progress")
+        ));
+    }
+
+    #[test]
+    fn old_checkpoints_without_results_still_load() {
+        let old = r#"{"seen":[[1,2]],"failure_streak":0,"stale_turns":1,"escalation":"none"}"#;
+        let t: Progress = serde_json::from_str(old).unwrap();
+        assert!(t.results_seen.is_empty());
+        assert_eq!(t.seen, vec![(1, 2)]);
     }
 
     #[test]
@@ -186,6 +278,7 @@ mod tests {
         let mut t = Progress::default();
         let poll = CallOutcome {
             fingerprint: 7,
+            result_fingerprint: 7,
             polling: true,
             ok: true,
         };

@@ -213,3 +213,32 @@ async fn a_read_tool_that_stays_down_reaches_the_model_after_max_attempts() {
     assert_eq!(seen[0]["error"]["code"], "retryable", "{seen:?}");
     d.stop().await;
 }
+
+#[tokio::test]
+async fn drifting_arguments_with_identical_results_end_no_progress() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    // Each turn the arguments change, the sum does not.
+    for a in 1..=7 {
+        let args = json!({"a": a, "b": 10 - a}).to_string();
+        model.push(Scripted::tool_calls(&[("c", "add", &args)]));
+    }
+    let d = start(&model, &tools, |c| {
+        c.tools
+            .insert("add".into(), agentd::config::ToolConfig::builtin("add"));
+        c.agents.get_mut("ops").unwrap().tools.push("add".into());
+    })
+    .await;
+    let id = create(&d, "add things").await;
+    let run = d.wait_status(ALPHA, &id, "failed").await;
+    assert_eq!(run["error"]["code"], "no_progress", "{run}");
+    let nudged = model.requests().iter().any(|r| {
+        r.body["messages"].as_array().unwrap().iter().any(|m| {
+            m["content"]
+                .as_str()
+                .is_some_and(|c| c.contains("the same result came back"))
+        })
+    });
+    assert!(nudged, "the model was told why");
+    d.stop().await;
+}
