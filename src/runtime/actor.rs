@@ -403,19 +403,19 @@ impl Actor for RunActor {
         if st.boot_failures > 0 {
             st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
         }
-        if let Some(live) = st.live.take() {
+        if let Some(mut live) = st.live.take() {
             st.deps.leases.remove(&live.run.id);
             if live.reloading {
                 st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
             }
             live.cancel.cancel();
-            if let Some(t) = live.deadline_timer {
+            if let Some(t) = live.deadline_timer.take() {
                 t.abort();
             }
             if live.run.is_terminal() {
                 // Late results have been recorded (or waited for long enough): let go.
                 let store = st.deps.store.clone();
-                let lease = live.lease;
+                let lease = live.lease.clone();
                 tokio::spawn(async move {
                     if let Err(e) = store.release(&lease).await {
                         tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
@@ -590,6 +590,14 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
 fn capped_backoff(failures: u32) -> Duration {
     let ms = 100u64.saturating_mul(1 << failures.min(6)).min(5_000);
     Duration::from_millis(ms / 2 + rand::random::<u64>() % (ms / 2 + 1))
+}
+
+/// However the actor ends — stopped, or failed by a panic (ractor runs no `post_stop` then) —
+/// the requests it issued are cancelled, so they cannot race the restarted run's own resend.
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
 }
 
 impl Live {

@@ -825,3 +825,77 @@ async fn a_node_with_another_agent_definition_leaves_the_run_and_its_inbox_is_bo
     assert_eq!(run.controls_applied, limit as u64);
     c.shutdown().await;
 }
+
+/// A tool that runs until its call is cancelled, and says when it was.
+struct UntilCancelled {
+    spec: agentd::tool::ToolSpec,
+    cancelled: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl agentd::tool::Tool for UntilCancelled {
+    fn spec(&self) -> &agentd::tool::ToolSpec {
+        &self.spec
+    }
+
+    async fn call(
+        &self,
+        ctx: &agentd::tool::ToolContext,
+        _arguments: Value,
+    ) -> Result<Value, agentd::tool::ToolError> {
+        ctx.cancel.cancelled().await;
+        self.cancelled.notify_one();
+        Err(agentd::tool::ToolError::new(
+            agentd::tool::ToolErrorCode::Retryable,
+            "cancelled",
+        ))
+    }
+}
+
+/// Panics on the first input the run gets.
+struct PanicOnInput(AtomicU32);
+
+impl FaultInjector for PanicOnInput {
+    fn panic_before(&self, _run: &RunState, event: &RunEvent) -> bool {
+        matches!(event, RunEvent::Input { .. }) && self.0.fetch_add(1, Ordering::SeqCst) == 0
+    }
+}
+
+/// After an actor panic, the requests it had in flight are cancelled (they would otherwise
+/// race the restarted run's resend of the same call).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_actor_cancels_its_calls_in_flight() {
+    let cancelled = Arc::new(tokio::sync::Notify::new());
+    let tool = UntilCancelled {
+        spec: agentd::tool::ToolSpec::new("wait", "Waits.", json!({"type": "object"}))
+            .effect(ToolEffect::Read)
+            .timeout(Duration::from_secs(60)),
+        cancelled: cancelled.clone(),
+    };
+    let mut b = Builder::new()
+        .tool(Arc::new(tool))
+        .model(ScriptedModel::from_fn("m", |req| {
+            Ok(match turn_of(req) {
+                1 => calls(&[("wait", json!({}))]),
+                _ => text("done"),
+            })
+        }))
+        .agent(AgentSpec::new("a", "m").tools(["wait"]));
+    b.faults = Some(Arc::new(PanicOnInput(AtomicU32::new(0))));
+    let h = b.start().await;
+    let id = h.start_run("a", "wait").await;
+    h.handle
+        .wait_until(TENANT, &id, WAIT, |r| {
+            r.calls
+                .iter()
+                .any(|c| c.status == agentd::run::CallStatus::Dispatched)
+        })
+        .await
+        .unwrap();
+    // The input makes the actor panic while the call is in flight.
+    let _ = h.handle.input(TENANT, &id, "note".into()).await;
+    tokio::time::timeout(WAIT, cancelled.notified())
+        .await
+        .expect("the panicked actor's call was not cancelled");
+    h.shutdown().await;
+}
