@@ -9,6 +9,7 @@
 
 pub mod approvals;
 pub mod auth;
+pub mod console;
 pub mod dto;
 pub mod error;
 pub mod extract;
@@ -123,6 +124,24 @@ pub const ROUTES: &[Route] = &[
         path: "/v1/agents",
         auth: true,
         make: || get(ops::agents),
+    },
+    Route {
+        method: "GET",
+        path: "/",
+        auth: false,
+        make: || get(console::index),
+    },
+    Route {
+        method: "GET",
+        path: "/console/app.js",
+        auth: false,
+        make: || get(console::app_js),
+    },
+    Route {
+        method: "GET",
+        path: "/console/style.css",
+        auth: false,
+        make: || get(console::style_css),
     },
     Route {
         method: "GET",

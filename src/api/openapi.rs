@@ -238,6 +238,12 @@ pub fn document() -> Value {
                     }
                 }
             },
+            "/": { "get": { "operationId": "console", "summary": "The web console (HTML; its script and stylesheet are under /console/)", "security": [],
+                "responses": { "200": { "description": "The console page.", "content": { "text/html": { "schema": { "type": "string" } } } } } } },
+            "/console/app.js": { "get": { "operationId": "consoleScript", "summary": "The web console's script", "security": [],
+                "responses": { "200": { "description": "An ES module.", "content": { "text/javascript": { "schema": { "type": "string" } } } } } } },
+            "/console/style.css": { "get": { "operationId": "consoleStyle", "summary": "The web console's stylesheet", "security": [],
+                "responses": { "200": { "description": "CSS.", "content": { "text/css": { "schema": { "type": "string" } } } } } } },
             "/healthz": { "get": { "operationId": "healthz", "summary": "The process is alive", "security": [],
                 "responses": { "200": { "description": "Alive." } } } },
             "/readyz": { "get": { "operationId": "readyz", "summary": "Ready: started, not draining, store reachable", "security": [],

@@ -372,9 +372,11 @@ impl DemoScript {
                 let item: String = goal.chars().take(200).collect();
                 match last_tool_result(request) {
                     None => call("record", serde_json::json!({ "item": item })),
-                    Some((_, r)) if r["ok"] == true => {
-                        text(format!("Done: recorded {item:?} once."))
-                    }
+                    // What the tool recorded: an operator may have edited the arguments.
+                    Some((_, r)) if r["ok"] == true => match r["data"]["recorded"].as_str() {
+                        Some(recorded) => text(format!("Done: recorded {recorded:?} once.")),
+                        None => text(format!("Done: recorded {item:?} once.")),
+                    },
                     Some((_, r)) if r["error"]["code"] == "approval_denied" => text(format!(
                         "Not done: an operator rejected recording {item:?} ({}).",
                         r["error"]["message"].as_str().unwrap_or("no reason given")

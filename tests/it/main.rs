@@ -13,6 +13,8 @@ mod chaos_support;
 mod cli;
 /// A local three-master Redis Cluster for the store contract and chaos tests.
 mod cluster_support;
+/// The web console in headless Chromium (playwright-core).
+mod console;
 /// Control routes: cancel, approvals, input — idempotency and conflicts.
 mod control;
 /// Daemon harness: `TestDaemon`, the test configuration, HTTP helpers, polling with deadlines.
