@@ -267,12 +267,18 @@ async function runPage(id) {
     actions.replaceChildren(...controls(run, refresh));
     transcript.replaceChildren(...transcriptEntries(run, events).map(([who, text]) => h('div', { class: 'msg' }, h('div', { class: 'who' }, who), h('pre', {}, text))));
   };
+  // One read at a time; an event that arrives during a read asks for one more read after it,
+  // so the page always ends on the run's latest state.
+  let again = false;
   const refresh = async () => {
-    if (refreshing) return refreshing;
-    refreshing = api('GET', `/v1/runs/${encodeURIComponent(id)}`, undefined, signal)
-      .then((r) => { run = r; render(); })
-      .catch((e) => { if (!signal.aborted) flash(head, e); })
-      .finally(() => { refreshing = null; });
+    if (refreshing) { again = true; return refreshing; }
+    refreshing = (async () => {
+      do {
+        again = false;
+        try { run = await api('GET', `/v1/runs/${encodeURIComponent(id)}`, undefined, signal); render(); }
+        catch (e) { if (!signal.aborted) flash(head, e); return; }
+      } while (again && !signal.aborted);
+    })().finally(() => { refreshing = null; });
     return refreshing;
   };
   await refresh();
