@@ -1082,28 +1082,76 @@ impl RuntimeHandle {
         let deps = &self.inner.deps;
         let mut out = String::new();
         deps.metrics.render(&mut out);
-        for (name, stats) in [
+        // Each family once, with HELP and TYPE, its samples together (the text format's rule).
+        let pools = [
             ("model", deps.gateway.pool().stats()),
             ("tool", deps.tools.pool().stats()),
+        ];
+        type PoolValue = fn(&crate::pool::PoolStats) -> u64;
+        let families: [(&str, &str, &str, PoolValue); 3] = [
+            (
+                "agentd_pool_queue_depth",
+                "gauge",
+                "Jobs waiting for a worker of the pool.",
+                |s| s.queue_depth(),
+            ),
+            (
+                "agentd_pool_in_flight",
+                "gauge",
+                "Jobs a worker of the pool is running.",
+                |s| s.in_flight(),
+            ),
+            (
+                "agentd_pool_shed_total",
+                "counter",
+                "Jobs refused because the pool's queue was full (overloaded).",
+                |s| s.shed.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, help, value) in families {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (pool, stats) in &pools {
+                let _ = writeln!(out, "{name}{{pool=\"{pool}\"}} {}", value(stats));
+            }
+        }
+        let g = deps.gateway.stats();
+        for (name, kind, help, value) in [
+            (
+                "agentd_model_requests_total",
+                "counter",
+                "Model requests (one per turn), whatever their number of attempts.",
+                g.requests.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "agentd_model_attempts_total",
+                "counter",
+                "Model attempts sent to providers, retries included.",
+                g.attempts.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "agentd_model_retries_total",
+                "counter",
+                "Model attempts retried by the gateway (429, 5xx, timeouts).",
+                g.retries.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "agentd_model_rate_limit_wait_seconds_total",
+                "counter",
+                "Time model requests waited for the per-model rate limits.",
+                g.rate_limit_wait_us.load(Ordering::Relaxed) as f64 / 1e6,
+            ),
+            (
+                "agentd_model_tenant_queued",
+                "gauge",
+                "Model requests queued in the gateway's per-tenant queues.",
+                g.queued.load(Ordering::Relaxed) as f64,
+            ),
         ] {
             let _ = writeln!(
                 out,
-                "agentd_pool_queue_depth{{pool=\"{name}\"}} {}\nagentd_pool_in_flight{{pool=\"{name}\"}} {}\nagentd_pool_shed_total{{pool=\"{name}\"}} {}",
-                stats.queue_depth(),
-                stats.in_flight(),
-                stats.shed.load(Ordering::Relaxed)
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
             );
         }
-        let g = deps.gateway.stats();
-        let _ = writeln!(
-            out,
-            "agentd_model_requests_total {}\nagentd_model_attempts_total {}\nagentd_model_retries_total {}\nagentd_model_rate_limit_wait_seconds_total {}\nagentd_model_tenant_queued {}",
-            g.requests.load(Ordering::Relaxed),
-            g.attempts.load(Ordering::Relaxed),
-            g.retries.load(Ordering::Relaxed),
-            g.rate_limit_wait_us.load(Ordering::Relaxed) as f64 / 1e6,
-            g.queued.load(Ordering::Relaxed)
-        );
         out
     }
 }

@@ -344,6 +344,40 @@ async fn operational_routes_need_no_token_and_leak_nothing() {
         "{text}"
     );
     assert!(text.contains("agentd_ready 1"));
+    // Every family has HELP and TYPE before its samples, and its samples are together.
+    let mut described: std::collections::HashMap<String, (bool, bool)> = Default::default();
+    let mut done: std::collections::HashSet<String> = Default::default();
+    let mut current = String::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            described
+                .entry(rest.split(' ').next().unwrap().to_owned())
+                .or_default()
+                .0 = true;
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            described
+                .entry(rest.split(' ').next().unwrap().to_owned())
+                .or_default()
+                .1 = true;
+        } else if !line.is_empty() {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| described.contains_key(*f)))
+                .unwrap_or(name)
+                .to_owned();
+            assert_eq!(
+                described.get(&family),
+                Some(&(true, true)),
+                "{family} lacks HELP or TYPE"
+            );
+            if family != current {
+                assert!(done.insert(family.clone()), "{family}'s samples are split");
+                current = family;
+            }
+        }
+    }
+    assert!(done.len() >= 20, "{done:?}");
     for secret in ["alpha", "beta", ALPHA, BETA] {
         assert!(!text.contains(secret), "metrics mention {secret}");
     }
