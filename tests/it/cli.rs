@@ -677,3 +677,27 @@ async fn the_cli_scripts_well_json_errors_exit_codes_ndjson_stdin_version_comple
     assert!(o.stdout.contains("The run (`run_…`)"), "{}", o.stdout);
     d.stop().await;
 }
+
+#[test]
+fn readme_and_architecture_point_only_inside_the_repository() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for doc in ["README.md", "ARCHITECTURE.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        assert!(!text.contains("../"), "{doc} points outside the repository");
+        assert!(
+            !text.contains("API.md"),
+            "{doc} names an API.md: the API is docs/api.md"
+        );
+        // Every relative link `](path)` names a file of the repository.
+        for part in text.split("](").skip(1) {
+            let target = part.split(')').next().unwrap().split('#').next().unwrap();
+            if target.is_empty() || target.contains("://") {
+                continue;
+            }
+            assert!(
+                root.join(target).exists(),
+                "{doc} links to missing {target}"
+            );
+        }
+    }
+}
