@@ -1047,10 +1047,11 @@ impl CheckpointStore for FileStore {
             for entry in t.iter().map_err(|e| db_err(what, e))? {
                 let (k, _) = entry.map_err(|e| db_err(what, e))?;
                 let id = k.value();
-                ids.push(
-                    id.parse::<RunId>()
-                        .map_err(|e| Error::Corrupt(format!("active index holds {id:?}: {e}")))?,
-                );
+                match id.parse::<RunId>() {
+                    Ok(run) => ids.push(run),
+                    // One bad entry must not stop the daemon's start: skip it, say so.
+                    Err(e) => tracing::error!(entry = ?id, error = %e, "the active index holds an entry that is not a run id; skipping it"),
+                }
             }
             Ok(ids)
         })

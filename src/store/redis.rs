@@ -1344,10 +1344,17 @@ impl CheckpointStore for RedisStore {
                         .arg(1000),
                 )
                 .await?;
+            // One bad entry must not stop the daemon's start: skip it, say so.
             let runs = batch
                 .iter()
-                .map(|id| parse_run(id, "active"))
-                .collect::<Result<Vec<_>>>()?;
+                .filter_map(|id| {
+                    parse_run(id, "active")
+                        .inspect_err(
+                            |e| tracing::error!(error = %e, "skipping a bad active-index entry"),
+                        )
+                        .ok()
+                })
+                .collect::<Vec<_>>();
             let (live, stale) = self.core.live_runs(runs).await?;
             ids.extend(live);
             if !stale.is_empty() {

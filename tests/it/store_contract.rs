@@ -1641,6 +1641,21 @@ mod redis_indexes {
         cmd.query_async(&mut con).await.unwrap()
     }
 
+    /// An active-index entry that is not a run id at all is skipped, not an error: one bad
+    /// record must not stop a daemon's start-up.
+    async fn a_bad_active_entry_is_skipped(s: &RedisStore, url: &str) {
+        let k = s.keys().clone();
+        let live = created(s, "t1").await;
+        raw(
+            s,
+            ::redis::cmd("SADD").arg(k.active()).arg("../not a run id"),
+            url,
+        )
+        .await;
+        let active = s.active_runs().await.unwrap();
+        assert!(active.contains(&live), "{active:?}");
+    }
+
     /// Index entries for runs that never got a checkpoint (their creator crashed between the
     /// index write and the create) are skipped and removed when old; a client key that maps to
     /// such a run answers `Existing`, and creating that run with the key writes it.
@@ -1736,6 +1751,7 @@ mod redis_indexes {
         };
         dangling_entries_and_orphan_client_keys(&s, &crate::redis_support::shared_redis_url())
             .await;
+        a_bad_active_entry_is_skipped(&s, &crate::redis_support::shared_redis_url()).await;
         crate::redis_support::drop_namespace(s.keys().namespace()).await;
     }
 
@@ -1746,6 +1762,7 @@ mod redis_indexes {
         };
         let s = cluster.store(|c| c).await;
         dangling_entries_and_orphan_client_keys(&s, &cluster.url()).await;
+        a_bad_active_entry_is_skipped(&s, &cluster.url()).await;
     }
 
     /// Commits on a cluster: many runs committing at once, each with its own versions
