@@ -3,6 +3,7 @@
 
 pub mod budget;
 pub mod decision;
+pub mod format;
 pub mod guard;
 pub mod machine;
 pub mod progress;

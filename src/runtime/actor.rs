@@ -28,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::model::gateway::ModelGateway;
 use crate::model::{ModelRequest, ToolChoice};
 use crate::redact::Redactor;
+use crate::run::format;
 use crate::run::machine::{
     ControlStep, Effect, InvalidTransition, Policy, RunEvent, StepContext, Transition,
     apply_control, step,
@@ -240,9 +241,9 @@ pub enum Error {
     Bug(String),
 }
 
-/// Serializes the run into its stored form.
+/// Serializes the run into its stored form, in the current format (`run::format`).
 pub fn checkpoint_of(run: &RunState) -> Result<Checkpoint, serde_json::Error> {
-    Ok(checkpoint_with_body(run, serde_json::to_string(run)?))
+    Ok(checkpoint_with_body(run, format::encode(run)?))
 }
 
 fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
@@ -289,7 +290,7 @@ impl CheckpointWriter {
         }
         // `messages` is the last field: serialize the rest with it empty, then splice.
         let messages = std::mem::take(&mut run.messages);
-        let head = serde_json::to_string(run);
+        let head = format::encode(run);
         run.messages = messages;
         let head = head?;
         let Some(prefix) = head.strip_suffix("[]}") else {
@@ -324,9 +325,10 @@ impl std::io::Write for StringWriter<'_> {
     }
 }
 
-/// Reads the run back from its stored form.
-pub fn state_of(cp: &Checkpoint) -> Result<RunState, serde_json::Error> {
-    serde_json::from_str(&cp.body)
+/// Reads the run back from its stored form, of any supported format version; a newer one is
+/// refused (the caller treats it as corrupt: the run is quarantined, not misread).
+pub fn state_of(cp: &Checkpoint) -> Result<RunState, format::FormatError> {
+    format::decode(&cp.body)
 }
 
 enum Applied {

@@ -30,6 +30,8 @@ mod e2e;
 mod failures;
 /// Fake OpenAI-compatible server and recording HTTP tool server.
 mod fakes;
+/// The stored checkpoint format across upgrades (golden fixtures).
+mod format;
 /// Hostile inputs: oversized outputs with secrets, calls cancelled while queued, bodies that
 /// are not objects, slow clients.
 mod hardening;

@@ -1,0 +1,123 @@
+//! The stored checkpoint format across upgrades: golden fixtures of earlier formats load,
+//! resume and finish; a record of a future format is refused, not misread.
+
+use std::sync::Arc;
+
+use agentd::agent::AgentSpec;
+use agentd::model::scripted::{ScriptedModel, turn_of};
+use agentd::run::Status;
+use agentd::store::{Checkpoint, EventRecord};
+use agentd::tool::builtin::CountingTool;
+use agentd::tool::{ApprovalRule, ToolEffect};
+use serde_json::json;
+
+use crate::support::{Builder, TENANT, WAIT, calls, text};
+
+fn deploy_model() -> ScriptedModel {
+    ScriptedModel::from_fn("m", |req| {
+        Ok(match turn_of(req) {
+            1 => calls(&[("deploy", json!({"item": "v2"}))]),
+            _ => text("deployed"),
+        })
+    })
+}
+
+/// The fixture: a run of format version 1 (captured from the code before the version field,
+/// commit 6e211ec) waiting for approval of its `deploy` call, with its event log.
+fn fixture_v1() -> (Checkpoint, Vec<EventRecord>) {
+    let text = include_str!("fixtures/checkpoint-v1-waiting-approval.json");
+    let v: serde_json::Value = serde_json::from_str(text).unwrap();
+    (
+        serde_json::from_value(v["checkpoint"].clone()).unwrap(),
+        serde_json::from_value(v["events"].clone()).unwrap(),
+    )
+}
+
+fn harness() -> (Builder, Arc<agentd::tool::builtin::Ledger>) {
+    let deploy = CountingTool::new("deploy", ToolEffect::Unsafe)
+        .with_spec(|s| s.approval(ApprovalRule::Always));
+    let ledger = deploy.ledger();
+    let b = Builder::new()
+        .tool(Arc::new(deploy))
+        .model(deploy_model())
+        .agent(AgentSpec::new("a", "m").tools(["deploy"]));
+    (b, ledger)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_run_waiting_for_approval_resumes_and_finishes_after_the_upgrade() {
+    let (cp, events) = fixture_v1();
+    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 1);
+    let (builder, ledger) = harness();
+    builder.store.create(&cp, &events, None).await.unwrap();
+    let h = builder.start().await;
+
+    let run = h
+        .handle
+        .wait_until(TENANT, &cp.run_id, WAIT, |r| {
+            r.status == Status::WaitingApproval
+        })
+        .await
+        .unwrap();
+    let call = run.pending_approvals().next().unwrap().call_id.clone();
+    assert_eq!(ledger.total(), 0, "nothing ran before the approval");
+    h.handle
+        .decide(TENANT, &cp.run_id, &call, true, None, None, None)
+        .await
+        .unwrap();
+    let run = h.finish(&cp.run_id).await;
+    assert_eq!(run.status, Status::Succeeded);
+    assert_eq!(run.output, Some(json!("deployed")));
+    assert_eq!(ledger.total(), 1);
+    // The log continued the fixture's without a gap, and the run was rewritten in the
+    // current format.
+    let kinds = h.kinds(&cp.run_id).await;
+    assert_eq!(
+        kinds[..events.len()],
+        ["run_created", "run_started", "model_replied"]
+    );
+    assert_eq!(kinds.last().map(String::as_str), Some("run_succeeded"));
+    let stored = h.store.load(&cp.run_id).await.unwrap().unwrap();
+    assert_eq!(
+        agentd::run::format::version_of(&stored.body).unwrap(),
+        u64::from(agentd::run::format::CURRENT)
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_a_future_format_version_is_refused_and_quarantined_not_misread() {
+    let (mut cp, events) = fixture_v1();
+    cp.body = cp.body.replacen('{', r#"{"format_version":99,"#, 1);
+    let (builder, ledger) = harness();
+    builder.store.create(&cp, &events, None).await.unwrap();
+    let h = builder.start().await;
+
+    let err = h.handle.get_run(TENANT, &cp.run_id).await.unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("version 99"), "{message}");
+    assert!(message.contains("1 to 2"), "{message}");
+    let (runs, _) = h
+        .handle
+        .list_runs(TENANT, &Default::default(), None, 50)
+        .await
+        .unwrap();
+    assert!(
+        runs.iter().all(|r| r.id != cp.run_id),
+        "left out of listings"
+    );
+    let quarantined = h.handle.quarantined();
+    assert!(
+        quarantined
+            .iter()
+            .any(|(id, why)| *id == cp.run_id && why.contains("version 99")),
+        "{quarantined:?}"
+    );
+    assert_eq!(ledger.total(), 0, "nothing of that run was executed");
+    // The record is left as it was for a newer build to read.
+    assert_eq!(
+        h.store.load(&cp.run_id).await.unwrap().unwrap().body,
+        cp.body
+    );
+    h.shutdown().await;
+}
