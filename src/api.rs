@@ -96,6 +96,12 @@ pub const ROUTES: &[Route] = &[
         make: || get(runs::events),
     },
     Route {
+        method: "GET",
+        path: "/v1/runs/{id}/messages",
+        auth: true,
+        make: || get(runs::messages),
+    },
+    Route {
         method: "POST",
         path: "/v1/runs/{id}/cancel",
         auth: true,

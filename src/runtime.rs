@@ -657,6 +657,29 @@ impl RuntimeHandle {
         state_of(&cp).map_err(|e| Error::Store(store::Error::Corrupt(e.to_string())))
     }
 
+    /// A page of the run's transcript as stored (what the model was given), read from its
+    /// checkpoint: the messages at positions `after + 1 ..` (positions count from 1), at most
+    /// `limit`, each with its position, and the `after` of the next page if there is one.
+    pub async fn messages(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        after: u64,
+        limit: usize,
+    ) -> Result<(Vec<(u64, Message)>, Option<u64>), Error> {
+        let mut run = self.get_run(tenant, id).await?;
+        let total = run.messages.len();
+        let start = usize::try_from(after).unwrap_or(usize::MAX).min(total);
+        let end = start.saturating_add(limit).min(total);
+        let page = run
+            .messages
+            .drain(start..end)
+            .enumerate()
+            .map(|(i, m)| ((start + i + 1) as u64, m))
+            .collect();
+        Ok((page, (end < total).then_some(end as u64)))
+    }
+
     /// The tenant's runs, newest first.
     pub async fn list_runs(
         &self,

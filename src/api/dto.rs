@@ -259,6 +259,98 @@ pub struct EventListDto {
     pub events: Vec<EventDto>,
 }
 
+/// `GET /v1/runs/{id}/messages?after=&limit=`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessagesQuery {
+    #[serde(default)]
+    pub after: Option<u64>,
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+/// One message of a run's transcript, as the model saw it (redacted).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessageDto {
+    /// Position in the transcript, from 1; `after` continues after it.
+    pub index: u64,
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    pub content: Option<String>,
+    /// The calls an assistant message asked for (empty otherwise).
+    pub tool_calls: Vec<MessageToolCallDto>,
+    /// The model's id of the call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool call as the model wrote it: `arguments` is the JSON text it gave.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessageToolCallDto {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// `GET /v1/runs/{id}/messages`: `next_cursor` is the `after` of the next page.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessageListDto {
+    pub messages: Vec<MessageDto>,
+    pub next_cursor: Option<u64>,
+}
+
+/// Redacts text that may be JSON (a tool envelope, call arguments): as JSON when it parses,
+/// so secret-looking keys are caught too, as text otherwise.
+fn redact_text(text: &str, redactor: &crate::redact::Redactor) -> String {
+    if redactor.is_noop() {
+        return text.to_owned();
+    }
+    match serde_json::from_str::<Value>(text) {
+        Ok(mut v) if v.is_object() || v.is_array() => {
+            redactor.redact_value_in_place(&mut v);
+            v.to_string()
+        }
+        _ => redactor.redact_str(text).into_owned(),
+    }
+}
+
+impl MessageDto {
+    pub fn redacted(
+        index: u64,
+        message: &crate::model::Message,
+        redactor: &crate::redact::Redactor,
+    ) -> Self {
+        use crate::model::Message;
+        let (role, content, tool_calls, tool_call_id) = match message {
+            Message::System { content } => ("system", Some(content.as_str()), &[][..], None),
+            Message::User { content } => ("user", Some(content.as_str()), &[][..], None),
+            Message::Assistant {
+                content,
+                tool_calls,
+            } => ("assistant", content.as_deref(), &tool_calls[..], None),
+            Message::Tool { call_id, content } => (
+                "tool",
+                Some(content.as_str()),
+                &[][..],
+                Some(call_id.clone()),
+            ),
+        };
+        MessageDto {
+            index,
+            role: role.to_owned(),
+            content: content.map(|c| redact_text(c, redactor)),
+            tool_calls: tool_calls
+                .iter()
+                .map(|c| MessageToolCallDto {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments: redact_text(&c.arguments, redactor),
+                })
+                .collect(),
+            tool_call_id,
+        }
+    }
+}
+
 /// A tool as an agent offers it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolDto {

@@ -191,6 +191,20 @@ pub fn document() -> Value {
                     }
                 }
             },
+            "/v1/runs/{id}/messages": {
+                "get": {
+                    "operationId": "runMessages", "summary": "The run's transcript as the model saw it (redacted), paginated",
+                    "parameters": [
+                        id_param(),
+                        { "name": "after", "in": "query", "schema": { "type": "integer", "minimum": 0 }, "description": "Messages after this index (from 1); the previous page's next_cursor." },
+                        { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1 } }
+                    ],
+                    "responses": {
+                        "200": messages_page(),
+                        "400": err("Malformed after or limit."), "401": err("Missing or unknown token."), "404": err("No such run.")
+                    }
+                }
+            },
             "/v1/runs/{id}/cancel": {
                 "post": {
                     "operationId": "cancelRun", "summary": "Cancel a run (idempotent)",
@@ -254,6 +268,24 @@ pub fn document() -> Value {
                 "responses": { "200": { "description": "OpenAPI 3.1." } } } }
         }
     })
+}
+
+/// The 200 answer of `GET /v1/runs/{id}/messages` (its own function: one `json!` would nest
+/// past the macro's recursion limit).
+fn messages_page() -> Value {
+    let call = json!({ "type": "object", "required": ["id", "name", "arguments"], "properties": {
+        "id": { "type": "string" }, "name": { "type": "string" },
+        "arguments": { "type": "string", "description": "The JSON text the model gave." } } });
+    let message = json!({ "type": "object", "required": ["index", "role", "content", "tool_calls", "tool_call_id"], "properties": {
+        "index": { "type": "integer", "minimum": 1 },
+        "role": { "type": "string", "enum": ["system", "user", "assistant", "tool"] },
+        "content": { "type": ["string", "null"] },
+        "tool_calls": { "type": "array", "items": call },
+        "tool_call_id": { "type": ["string", "null"] } } });
+    json!({ "description": "Messages in order.", "content": { "application/json": { "schema": {
+        "type": "object", "required": ["messages", "next_cursor"], "properties": {
+            "messages": { "type": "array", "items": message },
+            "next_cursor": { "type": ["integer", "null"], "description": "The after of the next page; null on the last." } } } } } })
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Run routes: create, get, list, events (JSON and SSE), cancel, approvals, input.
+//! Run routes: create, get, list, events (JSON and SSE), messages, cancel, approvals, input.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -17,7 +17,8 @@ use super::AppState;
 use super::auth::{Principal, Tenant};
 use super::dto::{
     CancelRequest, CreateRunRequest, Decision, DecisionRequest, EventDto, EventListDto,
-    EventsQuery, InputRequest, ListQuery, RunDto, RunListDto,
+    EventsQuery, InputRequest, ListQuery, MessageDto, MessageListDto, MessagesQuery, RunDto,
+    RunListDto,
 };
 use super::error::ApiError;
 use super::extract::{CallPath, JsonBody, OptionalJsonBody, Query, RunPath};
@@ -35,6 +36,8 @@ const MAX_IDEMPOTENCY_KEY: usize = 255;
 const MAX_REASON_BYTES: usize = 4096;
 /// Default and largest page of `GET /v1/runs/{id}/events`.
 const EVENTS_PAGE: usize = 1000;
+/// Default page of `GET /v1/runs/{id}/messages` (the largest is `limits.max_page_size`).
+const MESSAGES_PAGE: usize = 100;
 /// Default page of `GET /v1/runs`.
 const RUNS_PAGE: usize = 20;
 /// Client reconnect delay announced on SSE streams.
@@ -287,6 +290,33 @@ impl Drop for StreamSlot {
         }
         self.open.remove_if(&self.tenant, |_, n| *n == 0);
     }
+}
+
+/// `GET /v1/runs/{id}/messages?after=&limit=`: the run's transcript as the model saw it,
+/// redacted, from position `after + 1`.
+pub async fn messages(
+    State(s): State<AppState>,
+    Extension(Tenant(tenant)): Extension<Tenant>,
+    RunPath(id): RunPath,
+    Query(q): Query<MessagesQuery>,
+) -> Result<Json<MessageListDto>, ApiError> {
+    let limit = match q.limit {
+        Some(0) => return Err(ApiError::invalid_query("limit must be at least 1")),
+        Some(n) => n.min(s.limits.max_page_size),
+        None => MESSAGES_PAGE.min(s.limits.max_page_size),
+    };
+    let (page, next_cursor) = s
+        .runtime
+        .messages(&tenant, &id, q.after.unwrap_or(0), limit)
+        .await?;
+    let redactor = s.runtime.redactor();
+    Ok(Json(MessageListDto {
+        messages: page
+            .iter()
+            .map(|(index, m)| MessageDto::redacted(*index, m, redactor))
+            .collect(),
+        next_cursor,
+    }))
 }
 
 /// `GET /v1/runs/{id}/events?after=N`: JSON, or SSE with `Accept: text/event-stream` (resume

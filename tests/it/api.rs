@@ -412,3 +412,80 @@ async fn too_many_active_runs_is_429_with_retry_after_per_tenant() {
     d.create(BETA, "hang").await;
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_the_transcript_redacted_paginated_and_tenant_isolated() {
+    let d = TestDaemon::start_with(|c| c.secrets.patterns = vec!["sk-[a-z0-9]{6,}".into()]).await;
+    let (s, _, run) = d
+        .send(
+            Method::POST,
+            "/v1/runs",
+            Some(ALPHA),
+            Some(json!({"agent": "quick", "input": "1+2? key sk-abc123def"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{run}");
+    let id = run["id"].as_str().unwrap();
+    d.wait_status(ALPHA, id, "succeeded").await;
+
+    let (s, all) = d.get(&format!("/v1/runs/{id}/messages"), ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{all}");
+    assert!(!all.to_string().contains("sk-abc123def"), "redacted: {all}");
+    assert!(all["next_cursor"].is_null(), "{all}");
+    let messages = all["messages"].as_array().unwrap();
+    let roles: Vec<&str> = messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"], "{all}");
+    let indexes: Vec<u64> = messages
+        .iter()
+        .map(|m| m["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indexes, [1, 2, 3, 4]);
+    for m in messages {
+        for key in ["index", "role", "content", "tool_calls", "tool_call_id"] {
+            assert!(m.get(key).is_some(), "missing {key} in {m}");
+        }
+    }
+    assert!(messages[0]["content"].as_str().unwrap().starts_with("1+2?"));
+    let call = &messages[1]["tool_calls"][0];
+    assert_eq!(call["name"], "add");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"a": 1, "b": 2}));
+    assert_eq!(messages[2]["tool_call_id"], call["id"]);
+    assert!(messages[2]["content"].as_str().unwrap().contains('3'));
+    assert_eq!(messages[3]["content"], "3");
+    assert_eq!(messages[3]["tool_calls"], json!([]));
+
+    // Pages: next_cursor is the `after` of the next page, and the pages add up to the whole.
+    let mut paged = Vec::new();
+    let mut after = 0;
+    loop {
+        let (s, page) = d
+            .get(
+                &format!("/v1/runs/{id}/messages?limit=3&after={after}"),
+                ALPHA,
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{page}");
+        paged.extend(page["messages"].as_array().unwrap().iter().cloned());
+        match page["next_cursor"].as_u64() {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    assert_eq!(&paged, messages);
+    let (_, past) = d
+        .get(&format!("/v1/runs/{id}/messages?after=99"), ALPHA)
+        .await;
+    assert_eq!(past["messages"], json!([]));
+
+    for bad in ["limit=0", "limit=x", "after=-1", "colour=red"] {
+        let (s, body) = d.get(&format!("/v1/runs/{id}/messages?{bad}"), ALPHA).await;
+        assert_error(s, &body, StatusCode::BAD_REQUEST, "invalid_query");
+    }
+    let (s, body) = d.get(&format!("/v1/runs/{id}/messages"), BETA).await;
+    assert_error(s, &body, StatusCode::NOT_FOUND, "not_found");
+    d.stop().await;
+}

@@ -66,6 +66,11 @@ fn row(method: &str, path: &str, id: &str) -> Vec<Row> {
             body: Some(json!({"text": "hi"})),
             sse: false,
         }],
+        ("GET", "/v1/runs/{id}/messages") => vec![Row {
+            path: p(path),
+            body: None,
+            sse: false,
+        }],
         ("GET", "/v1/approvals") => vec![Row {
             path: p(path),
             body: None,

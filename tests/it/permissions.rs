@@ -115,7 +115,12 @@ fn route_rule(method: &str, path: &str) -> (Need, Vec<Option<Value>>) {
         ),
         (
             "GET",
-            "/v1/runs" | "/v1/runs/{id}" | "/v1/runs/{id}/events" | "/v1/agents" | "/v1/approvals",
+            "/v1/runs"
+            | "/v1/runs/{id}"
+            | "/v1/runs/{id}/events"
+            | "/v1/runs/{id}/messages"
+            | "/v1/agents"
+            | "/v1/approvals",
         ) => (Need::Any, vec![None]),
         ("POST", "/v1/runs/{id}/cancel") => (Need::Any, vec![Some(json!({}))]),
         ("POST", "/v1/runs/{id}/input") => (Need::Any, vec![Some(json!({"text": "hi"}))]),
