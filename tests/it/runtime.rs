@@ -829,6 +829,7 @@ async fn a_node_with_another_agent_definition_leaves_the_run_and_its_inbox_is_bo
 /// A tool that runs until its call is cancelled, and says when it was.
 struct UntilCancelled {
     spec: agentd::tool::ToolSpec,
+    started: Arc<tokio::sync::Notify>,
     cancelled: Arc<tokio::sync::Notify>,
 }
 
@@ -843,6 +844,7 @@ impl agentd::tool::Tool for UntilCancelled {
         ctx: &agentd::tool::ToolContext,
         _arguments: Value,
     ) -> Result<Value, agentd::tool::ToolError> {
+        self.started.notify_one();
         ctx.cancel.cancelled().await;
         self.cancelled.notify_one();
         Err(agentd::tool::ToolError::new(
@@ -866,7 +868,9 @@ impl FaultInjector for PanicOnInput {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_actor_cancels_its_calls_in_flight() {
     let cancelled = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(tokio::sync::Notify::new());
     let tool = UntilCancelled {
+        started: started.clone(),
         spec: agentd::tool::ToolSpec::new("wait", "Waits.", json!({"type": "object"}))
             .effect(ToolEffect::Read)
             .timeout(Duration::from_secs(60)),
@@ -884,14 +888,10 @@ async fn a_panicking_actor_cancels_its_calls_in_flight() {
     b.faults = Some(Arc::new(PanicOnInput(AtomicU32::new(0))));
     let h = b.start().await;
     let id = h.start_run("a", "wait").await;
-    h.handle
-        .wait_until(TENANT, &id, WAIT, |r| {
-            r.calls
-                .iter()
-                .any(|c| c.status == agentd::run::CallStatus::Dispatched)
-        })
+    // The call has reached the tool (a call cancelled while still queued is never sent).
+    tokio::time::timeout(WAIT, started.notified())
         .await
-        .unwrap();
+        .expect("the call did not reach the tool");
     // The input makes the actor panic while the call is in flight.
     let _ = h.handle.input(TENANT, &id, "note".into()).await;
     tokio::time::timeout(WAIT, cancelled.notified())
