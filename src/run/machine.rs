@@ -9,8 +9,11 @@
 //! ## Transition table
 //!
 //! `*` is any non-terminal status. "next turn" = deliver queued input, check the model budget
-//! (turns, tokens, deadline), then `running/awaiting_model` + `CallModel`, or `failed`
-//! (`budget_exceeded`). "advance batch" = if any call awaits an operator → `waiting_approval`;
+//! (turns, tokens, deadline), then `running/awaiting_model` + `CallModel`; when turns or tokens
+//! ran out (or a batch would pass the tool-call budget, whose calls are then answered "not
+//! run"), the next turn is the **reserve**: one model call without tools, after which the run
+//! ends `failed` (`budget_exceeded`) with that reply's answer as its `output`; with the
+//! deadline passed or the reserve spent, `failed` (`budget_exceeded`) at once. "advance batch" = if any call awaits an operator → `waiting_approval`;
 //! else dispatch `ready` calls (`ExecuteTool`) → `running/executing_tools`; else wait for
 //! in-flight calls; else (all done) append the tool messages, run no-progress detection
 //! (continue, nudge, force final, or `failed`/`no_progress`) and take the next turn.
@@ -21,6 +24,7 @@
 //! | created | Resume | next turn | CallModel | run_resumed |
 //! | created, running, waiting_approval | Input | same | — | input_queued |
 //! | running/awaiting_model | ModelReplied: final | running/verifying | Verify | model_replied |
+//! | running/awaiting_model | ModelReplied in the reserve turn | failed (`budget_exceeded`, output = its answer) | AbortInFlight, Finish | run_failed |
 //! | running/awaiting_model | ModelReplied: tool calls | validating_calls → advance batch | ExecuteTool… | model_replied |
 //! | running/awaiting_model | ModelReplied: ask_user | waiting_input | — | input_requested |
 //! | running/awaiting_model | ModelReplied: malformed | next turn with a correction, or failed (`invalid_model_output`) | CallModel | model_replied |
@@ -703,7 +707,7 @@ fn dispatch(
 }
 
 fn tool_choice(s: &RunState) -> ToolChoice {
-    if s.force_final {
+    if s.force_final || s.budget_final.is_some() {
         ToolChoice::None
     } else {
         ToolChoice::Auto
@@ -739,8 +743,13 @@ fn next_turn(
         s.messages.push(Message::User { content: text });
     }
     if let Err(which) = budget::check_model_call(&s.budget, &s.usage, cx.now_ms) {
-        let effects = fail_budget(s, which);
-        return out(kind, data, effects);
+        // The deadline has no reserve (its timer ends the run wherever it is); every other
+        // budget keeps one final turn without tools for the answer.
+        if which == Exhausted::Deadline || s.budget_final.is_some() {
+            let effects = fail_budget(s, which);
+            return out(kind, data, effects);
+        }
+        grant_reserve(s, which);
     }
     s.usage.turns += 1;
     s.turn += 1;
@@ -754,8 +763,67 @@ fn next_turn(
     let mut t = out(kind, data, effects);
     if let Value::Object(m) = &mut t.data {
         m.insert("turn".into(), json!(s.turn));
+        if let Some(which) = s.budget_final {
+            m.insert("budget_reserve".into(), json!(which));
+        }
     }
     t
+}
+
+/// The `which` budget ran out: the next turn is the reserve, made without tools, and the run
+/// ends after it with `budget_exceeded` and the model's answer as its output.
+fn grant_reserve(s: &mut RunState, which: Exhausted) {
+    s.budget_final = Some(which);
+    s.messages.push(Message::User {
+        content: format!(
+            "{NOTE} the {} budget is exhausted: tools are disabled. Give your final answer now, \
+             from what you have found so far.",
+            which.as_str()
+        ),
+    });
+}
+
+/// The reply to the reserve turn ends the run: `failed` with `budget_exceeded`, and whatever
+/// answer the model gave as the output (tool calls are not run).
+fn on_reserve_reply(
+    s: &mut RunState,
+    reply: ModelReply,
+    which: Exhausted,
+    usage: Value,
+) -> Transition {
+    let answer = match decide(&reply) {
+        Decision::Final(text) => Some(text),
+        _ => reply.text.clone().filter(|t| !t.trim().is_empty()),
+    };
+    if let Some(text) = &answer {
+        s.messages.push(Message::Assistant {
+            content: Some(text.clone()),
+            tool_calls: vec![],
+        });
+    }
+    let output = answer.map(|text| {
+        serde_json::from_str::<Value>(&text)
+            .ok()
+            .filter(|v| v.is_object() || v.is_array())
+            .unwrap_or(Value::String(text))
+    });
+    let message = match output {
+        Some(_) => format!(
+            "the {} budget is exhausted; the output is the model's answer from its final turn",
+            which.as_str()
+        ),
+        None => format!(
+            "the {} budget is exhausted and the final turn gave no answer",
+            which.as_str()
+        ),
+    };
+    let effects = fail(s, RunError::new("budget_exceeded", message));
+    s.output = output;
+    out(
+        "model_replied",
+        json!({ "decision": "budget_final", "output": s.output, "usage": usage }),
+        effects,
+    )
 }
 
 fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> Transition {
@@ -763,6 +831,9 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
     s.usage.output_tokens += reply.usage.output_tokens;
     s.model_retries = 0;
     let usage = json!({ "input_tokens": reply.usage.input_tokens, "output_tokens": reply.usage.output_tokens });
+    if let Some(which) = s.budget_final {
+        return on_reserve_reply(s, reply, which, usage);
+    }
     match decide(&reply) {
         Decision::Final(text) => {
             s.corrections = 0;
@@ -880,8 +951,24 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
                 s.corrections = 0;
             }
             if let Err(which) = budget::check_tool_calls(&s.budget, &s.usage, valid, cx.now_ms) {
-                let effects = fail_budget(s, which);
-                return out("model_replied", data, effects);
+                if which == Exhausted::Deadline {
+                    let effects = fail_budget(s, which);
+                    return out("model_replied", data, effects);
+                }
+                // None of the batch runs; every call is answered, so pairs stay whole.
+                let not_run = ToolResult::failure(ToolError::new(
+                    ToolErrorCode::Failed,
+                    "not run: the tool-call budget is exhausted",
+                ));
+                for c in std::mem::take(&mut s.calls) {
+                    let result = c.result.unwrap_or_else(|| not_run.clone());
+                    s.messages.push(Message::Tool {
+                        call_id: c.model_call_id,
+                        content: result.to_message_content(),
+                    });
+                }
+                grant_reserve(s, which);
+                return next_turn(s, cx, "model_replied", data);
             }
             let effects = advance_batch(s, cx);
             let mut t = out("model_replied", data, effects);

@@ -200,6 +200,10 @@ pub struct RunState {
     /// The next model call is made without tools (no-progress escalation).
     #[serde(default)]
     pub force_final: bool,
+    /// The budget that ran out, once the run is in its reserve turn: one final model call
+    /// without tools, after which it ends `budget_exceeded` with that answer as its output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_final: Option<super::budget::Exhausted>,
     pub progress: Progress,
     /// The candidate final answer being verified.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -279,6 +283,7 @@ impl RunState {
             model_retries: 0,
             verify_rejections: 0,
             force_final: false,
+            budget_final: None,
             progress: Progress::default(),
             candidate: None,
             output: None,

@@ -242,3 +242,31 @@ async fn drifting_arguments_with_identical_results_end_no_progress() {
     assert!(nudged, "the model was told why");
     d.stop().await;
 }
+
+#[tokio::test]
+async fn the_budget_reserve_gives_a_final_answer() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    for city in ["Paris", "Lyon"] {
+        let args = json!({ "city": city }).to_string();
+        model.push(Scripted::tool_calls(&[("c", "lookup", &args)]));
+    }
+    model.push(Scripted::text("Paris and Lyon were found"));
+    let d = start(&model, &tools, |c| {
+        c.agents.get_mut("ops").unwrap().max_turns = 2;
+    })
+    .await;
+    let id = create(&d, "find the cities").await;
+    let run = d.wait_status(ALPHA, &id, "failed").await;
+    assert_eq!(run["error"]["code"], "budget_exceeded", "{run}");
+    assert_eq!(run["output"], "Paris and Lyon were found", "{run}");
+    let requests = model.requests();
+    assert_eq!(requests.len(), 3, "two turns and the reserve");
+    let last = &requests[2].body;
+    assert!(
+        last.get("tools").is_none() || last["tool_choice"] == "none",
+        "the reserve turn offers no tools: {last}"
+    );
+    assert_eq!(tools.requests().len(), 2);
+    d.stop().await;
+}

@@ -753,24 +753,65 @@ fn cancel_abort_and_deadline_end_any_live_run() {
 
 #[test]
 fn budgets_are_checked_before_model_and_tool_calls() {
+    // Turns: the reserve turn is made without tools; its answer is the output of a failed run.
     let mut s = new_run();
     s.budget.max_turns = 1;
     go(&mut s, RunEvent::Start);
     let t = replied(&mut s, reply_calls(&[("echo", r#"{"text":"a"}"#)]));
     assert_eq!(t.effects.len(), 1);
     let t = finish_tool(&mut s, "call_1_0", ok());
+    assert_eq!(t.kind, "tool_call_finished");
+    assert!(has_call_model(&t, ToolChoice::None), "{t:?}");
+    assert_eq!(s.budget_final, Some(Exhausted::Turns));
+    let Some(Message::User { content }) = s.messages.last() else {
+        panic!("no note: {:?}", s.messages.last());
+    };
+    assert!(content.contains("turns budget is exhausted"), "{content}");
+    let t = replied(&mut s, reply_text("partial: a"));
     assert_eq!(t.kind, "run_failed");
+    assert!(terminal_effects(&t));
+    assert_eq!(s.error.as_ref().unwrap().code, "budget_exceeded");
     assert!(s.error.as_ref().unwrap().message.contains("turns"));
+    assert_eq!(s.output, Some(json!("partial: a")));
 
+    // Tool calls: none of the batch runs, each is answered, then the reserve turn.
     let mut s = new_run();
     s.budget.max_tool_calls = 1;
     go(&mut s, RunEvent::Start);
-    replied(
+    let t = replied(
         &mut s,
         reply_calls(&[("echo", r#"{"text":"a"}"#), ("echo", r#"{"text":"b"}"#)]),
     );
+    assert!(has_call_model(&t, ToolChoice::None), "{t:?}");
+    assert!(s.calls.is_empty());
+    let answered = s
+        .messages
+        .iter()
+        .filter(|m| matches!(m, Message::Tool { content, .. } if content.contains("not run")))
+        .count();
+    assert_eq!(answered, 2);
+    // A reserve turn that still asks for tools ends the run without an output.
+    let t = replied(&mut s, reply_calls(&[("echo", r#"{"text":"c"}"#)]));
+    assert_eq!(t.kind, "run_failed");
     assert!(s.error.as_ref().unwrap().message.contains("tool_calls"));
+    assert_eq!(s.output, None);
+    assert_eq!(s.usage.tool_calls, 0, "nothing was dispatched");
 
+    // Tokens, with a JSON answer.
+    let mut s = new_run();
+    s.budget.max_tokens = 10;
+    go(&mut s, RunEvent::Start);
+    let mut r = reply_calls(&[("echo", r#"{"text":"a"}"#)]);
+    r.usage.input_tokens = 10;
+    replied(&mut s, r);
+    let t = finish_tool(&mut s, "call_1_0", ok());
+    assert!(has_call_model(&t, ToolChoice::None), "{t:?}");
+    replied(&mut s, reply_text(r#"{"found": "a"}"#));
+    assert_eq!(s.status, Status::Failed);
+    assert!(s.error.as_ref().unwrap().message.contains("tokens"));
+    assert_eq!(s.output, Some(json!({"found": "a"})));
+
+    // The deadline has no reserve.
     let mut s = new_run();
     let late = step(&mut s, RunEvent::Start, &cx(2_000_000)).unwrap();
     assert_eq!(late.kind, "run_failed");
