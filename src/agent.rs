@@ -91,6 +91,9 @@ pub struct Agent {
     /// Digest of what a run depends on (model, instructions, tool schemas, budgets): a run
     /// records it at creation, and a node whose definition differs does not take the run over.
     pub digest: String,
+    /// Estimated tokens of the tool definitions sent with every request: they count against
+    /// the context budget.
+    pub schema_tokens: usize,
 }
 
 /// SHA-256 over the parts of an agent's definition that a run's behaviour depends on.
@@ -131,12 +134,37 @@ impl Agent {
         let tools = AgentTools::new(registry.clone(), spec.tools.clone().into());
         let definitions: Arc<[ToolDefinition]> = tools.definitions().into();
         let digest = definition_digest(&spec, &definitions);
+        let schema_tokens = definitions
+            .iter()
+            .map(|d| {
+                crate::context::estimate_tokens(&d.name)
+                    + crate::context::estimate_tokens(&d.description)
+                    + crate::context::estimate_tokens(&d.parameters.to_string())
+                    + crate::context::MESSAGE_OVERHEAD_TOKENS
+            })
+            .sum();
         Ok(Agent {
             spec,
             tools,
             definitions,
             digest,
+            schema_tokens,
         })
+    }
+
+    /// The budget of the run's next request: the agent's target minus the tool schemas sent
+    /// with it, halved for each rebuild after the provider said a request did not fit.
+    pub fn context_budget(&self, run: &RunState) -> ContextBudget {
+        let target = self
+            .spec
+            .context
+            .max_tokens
+            .saturating_sub(self.schema_tokens);
+        let shrunk = target >> run.context_rebuilds.min(8);
+        ContextBudget {
+            max_tokens: shrunk.max(1),
+            ..self.spec.context
+        }
     }
 
     /// The messages of the next model request, built by `context::build_context` within the
@@ -162,7 +190,7 @@ impl Agent {
             history,
             seqs: None,
         };
-        let mut messages = build_context(&input, &self.spec.context);
+        let mut messages = build_context(&input, &self.context_budget(run));
         if self.spec.instructions.is_empty() {
             messages.retain(|m| !matches!(m, Message::System { .. }));
         }
@@ -176,6 +204,56 @@ mod tests {
     use super::*;
     use crate::ids::RunId;
     use crate::model::ModelToolCall;
+
+    #[test]
+    fn tool_schemas_count_against_the_budget_and_a_rebuild_halves_it() {
+        use crate::tool::builtin::{Add, Echo};
+        let mut registry = Registry::new();
+        registry.register(Arc::new(Echo::new())).unwrap();
+        registry.register(Arc::new(Add::new())).unwrap();
+        let registry = Arc::new(registry);
+        let budget = ContextBudget {
+            max_tokens: 1000,
+            max_tool_output_bytes: 64,
+        };
+        let bare = Agent::new(AgentSpec::new("a", "m").context(budget), &registry).unwrap();
+        let tooled = Agent::new(
+            AgentSpec::new("a", "m")
+                .tools(["echo", "add"])
+                .context(budget),
+            &registry,
+        )
+        .unwrap();
+        // Even a bare agent is offered `ask_user`.
+        assert!(bare.schema_tokens > 0);
+        assert!(tooled.schema_tokens > bare.schema_tokens);
+        let sent: usize = tooled
+            .definitions
+            .iter()
+            .map(|d| serde_json::to_string(d).unwrap().len() / 4)
+            .sum();
+        assert!(
+            tooled.schema_tokens >= sent / 2,
+            "{} for ~{sent}",
+            tooled.schema_tokens
+        );
+        let mut run = RunState::new(
+            RunId::generate(),
+            "t".into(),
+            "a".into(),
+            serde_json::json!("goal"),
+            Budget::default(),
+            0,
+        );
+        assert_eq!(
+            bare.context_budget(&run).max_tokens,
+            1000 - bare.schema_tokens
+        );
+        let with_schemas = tooled.context_budget(&run).max_tokens;
+        assert_eq!(with_schemas, 1000 - tooled.schema_tokens);
+        run.context_rebuilds = 1;
+        assert_eq!(tooled.context_budget(&run).max_tokens, with_schemas / 2);
+    }
 
     #[test]
     fn the_context_keeps_instructions_and_goal_and_condenses_old_turns() {

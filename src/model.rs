@@ -124,6 +124,9 @@ pub enum ModelErrorKind {
     Unavailable,
     /// The request itself was refused (4xx other than 408/429, auth): retrying cannot help.
     Rejected,
+    /// The request does not fit the model's context window: the run rebuilds its context
+    /// once with a smaller budget; retrying the same request cannot help.
+    ContextLengthExceeded,
 }
 
 impl std::fmt::Display for ModelErrorKind {
@@ -133,6 +136,7 @@ impl std::fmt::Display for ModelErrorKind {
             ModelErrorKind::RateLimited => "rate_limited",
             ModelErrorKind::Unavailable => "unavailable",
             ModelErrorKind::Rejected => "rejected",
+            ModelErrorKind::ContextLengthExceeded => "context_length_exceeded",
         })
     }
 }
@@ -140,7 +144,10 @@ impl std::fmt::Display for ModelErrorKind {
 impl ModelErrorKind {
     /// Whether another attempt of the same request may succeed.
     pub fn is_retryable(self) -> bool {
-        !matches!(self, ModelErrorKind::Rejected)
+        !matches!(
+            self,
+            ModelErrorKind::Rejected | ModelErrorKind::ContextLengthExceeded
+        )
     }
 }
 

@@ -789,12 +789,31 @@ pub fn classify_status(
         429 if quota => (ModelErrorKind::Rejected, None),
         429 => (ModelErrorKind::RateLimited, parse_retry_after(headers, now)),
         408 | 500..=599 => (ModelErrorKind::Unavailable, parse_retry_after(headers, now)),
+        400 | 413 if is_context_overflow(code.as_deref(), &message) => {
+            (ModelErrorKind::ContextLengthExceeded, None)
+        }
         _ => (ModelErrorKind::Rejected, None),
     };
     AttemptError {
         error: ModelError::new(kind, message),
         retry_after,
     }
+}
+
+/// Whether a refusal says the prompt is longer than the model's context: OpenAI's code
+/// `context_length_exceeded`, or the wording of vLLM ("maximum context length"), llama.cpp
+/// ("exceeds the available context size") and llama-cpp-python ("exceed context window").
+pub fn is_context_overflow(code: Option<&str>, message: &str) -> bool {
+    if matches!(
+        code,
+        Some("context_length_exceeded" | "exceed_context_size_error")
+    ) {
+        return true;
+    }
+    let m = message.to_ascii_lowercase();
+    ["context length", "context window", "context size"]
+        .iter()
+        .any(|p| m.contains(p))
 }
 
 /// Longest `Retry-After` honoured (a misbehaving server must not park a run for days).
@@ -886,6 +905,34 @@ mod tests {
             Some(MAX_RETRY_AFTER)
         );
         assert_eq!(parse_retry_after(&HeaderMap::new(), now), None);
+    }
+
+    #[test]
+    fn context_overflows_are_classified_as_such() {
+        let now = SystemTime::now();
+        let bodies: [&[u8]; 4] = [
+            br#"{"error":{"message":"too long","type":"invalid_request_error","code":"context_length_exceeded"}}"#,
+            br#"{"error":{"message":"This model's maximum context length is 2048 tokens. However, you requested 3000 tokens"}}"#,
+            br#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error"}}"#,
+            br#"{"error":{"message":"Requested tokens (5000) exceed context window of 2048"}}"#,
+        ];
+        for body in bodies {
+            let e = classify_status(400, &HeaderMap::new(), body, now);
+            assert_eq!(
+                e.error.kind,
+                ModelErrorKind::ContextLengthExceeded,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let other = classify_status(
+            400,
+            &HeaderMap::new(),
+            br#"{"error":{"message":"bad tool schema"}}"#,
+            now,
+        );
+        assert_eq!(other.error.kind, ModelErrorKind::Rejected);
+        assert!(!ModelErrorKind::ContextLengthExceeded.is_retryable());
     }
 
     #[test]

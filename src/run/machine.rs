@@ -29,6 +29,7 @@
 //! | running/awaiting_model | ModelReplied: ask_user | waiting_input | — | input_requested |
 //! | running/awaiting_model | ModelReplied: malformed | next turn with a correction, or failed (`invalid_model_output`) | CallModel | model_replied |
 //! | running/awaiting_model | ModelFailed: overloaded | same, or failed (`model_unavailable`) | ScheduleRetry | model_failed |
+//! | running/awaiting_model | ModelFailed: context_length_exceeded | same (context rebuilt smaller, once), or failed (`context_length_exceeded`) | CallModel | model_failed |
 //! | running/awaiting_model | ModelFailed: other (the gateway gave up) | failed (`model_unavailable`, `model_rejected`) | AbortInFlight, Finish | run_failed |
 //! | running/awaiting_model | RetryDue | same | CallModel | model_retry |
 //! | running/executing_tools | ToolFinished | advance batch (unknown outcome: resend, reconcile or park) | … | tool_call_finished |
@@ -1241,6 +1242,37 @@ fn finish_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
 
 fn on_model_failed(s: &mut RunState, error: ModelError, cx: &StepContext<'_>) -> Transition {
     let data = json!({ "kind": error.kind, "message": error.message });
+    if error.kind == ModelErrorKind::ContextLengthExceeded {
+        if s.context_rebuilds == 0 {
+            // The same turn again, its context built under a smaller budget (the builder
+            // halves it per rebuild).
+            s.context_rebuilds += 1;
+            s.epoch += 1;
+            let mut t = out(
+                "model_failed",
+                data,
+                vec![Effect::CallModel {
+                    epoch: s.epoch,
+                    tool_choice: tool_choice(s),
+                }],
+            );
+            if let Value::Object(m) = &mut t.data {
+                m.insert("context_rebuild".into(), json!(s.context_rebuilds));
+            }
+            return t;
+        }
+        let effects = fail(
+            s,
+            RunError::new(
+                "context_length_exceeded",
+                format!(
+                    "the request does not fit the model's context window, even rebuilt smaller: {}",
+                    error.message
+                ),
+            ),
+        );
+        return out("model_failed", data, effects);
+    }
     if !error.kind.is_retryable() {
         let effects = fail(
             s,

@@ -204,6 +204,9 @@ pub struct RunState {
     /// without tools, after which it ends `budget_exceeded` with that answer as its output.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_final: Option<super::budget::Exhausted>,
+    /// Context rebuilds after the provider said the request did not fit (at most one).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub context_rebuilds: u32,
     pub progress: Progress,
     /// The candidate final answer being verified.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -284,6 +287,7 @@ impl RunState {
             verify_rejections: 0,
             force_final: false,
             budget_final: None,
+            context_rebuilds: 0,
             progress: Progress::default(),
             candidate: None,
             output: None,
@@ -319,4 +323,8 @@ impl RunState {
             )
         })
     }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }

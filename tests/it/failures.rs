@@ -270,3 +270,37 @@ async fn the_budget_reserve_gives_a_final_answer() {
     assert_eq!(tools.requests().len(), 2);
     d.stop().await;
 }
+
+#[tokio::test]
+async fn an_oversized_context_is_rebuilt_once() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    let overflow = json!({"error": {"message": "This model's maximum context length is 4096 tokens",
+                                    "type": "invalid_request_error", "code": "context_length_exceeded"}})
+    .to_string();
+    model
+        .push(Scripted::status(400, &overflow))
+        .push(Scripted::text("fits now"));
+    let d = start(&model, &tools, |_| {}).await;
+    let id = create(&d, "hi").await;
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "fits now");
+    assert_eq!(model.request_count(), 2);
+    let rebuilt: Vec<Value> = events(&d, &id)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] == "model_failed")
+        .collect();
+    assert_eq!(rebuilt.len(), 1);
+    assert_eq!(rebuilt[0]["data"]["kind"], "context_length_exceeded");
+    assert_eq!(rebuilt[0]["data"]["context_rebuild"], 1);
+
+    // Twice: the run fails, classified as such (not "the model refused the request").
+    model
+        .push(Scripted::status(400, &overflow))
+        .push(Scripted::status(400, &overflow));
+    let id = create(&d, "hi again").await;
+    let run = d.wait_status(ALPHA, &id, "failed").await;
+    assert_eq!(run["error"]["code"], "context_length_exceeded", "{run}");
+    d.stop().await;
+}

@@ -398,6 +398,36 @@ fn provider_failures_after_the_gateway_are_final() {
     }
 }
 
+#[test]
+fn a_context_overflow_rebuilds_once_then_fails_as_such() {
+    let mut s = running();
+    let turn = s.turn;
+    let epoch = s.epoch;
+    let overflow = || ModelError::new(ModelErrorKind::ContextLengthExceeded, "too long");
+    let t = go(
+        &mut s,
+        RunEvent::ModelFailed {
+            epoch,
+            error: overflow(),
+        },
+    );
+    assert_eq!(t.kind, "model_failed");
+    assert!(has_call_model(&t, ToolChoice::Auto), "{t:?}");
+    assert_eq!(t.data["context_rebuild"], 1);
+    assert_eq!(s.context_rebuilds, 1);
+    assert_eq!(s.turn, turn, "the same turn, rebuilt");
+    let epoch = s.epoch;
+    let t = go(
+        &mut s,
+        RunEvent::ModelFailed {
+            epoch,
+            error: overflow(),
+        },
+    );
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(s.error.as_ref().unwrap().code, "context_length_exceeded");
+}
+
 // ---- executing_tools and reconciling ----
 
 #[test]
