@@ -26,6 +26,9 @@ pub struct AgentSpec {
     pub verifiers: Vec<Verifier>,
     /// Size of each model request (see `context`).
     pub context: ContextBudget,
+    /// Whether the model is offered `ask_user` (a question to the user; the run waits for
+    /// input). Off: only the allow-listed tools, and an `ask_user` call is corrected.
+    pub ask_user: bool,
 }
 
 impl AgentSpec {
@@ -39,7 +42,13 @@ impl AgentSpec {
             deadline: None,
             verifiers: Vec::new(),
             context: ContextBudget::default(),
+            ask_user: true,
         }
+    }
+
+    pub fn ask_user(mut self, offered: bool) -> Self {
+        self.ask_user = offered;
+        self
     }
 
     pub fn instructions(mut self, text: impl Into<String>) -> Self {
@@ -131,7 +140,8 @@ impl Agent {
                 tool: t.clone(),
             });
         }
-        let tools = AgentTools::new(registry.clone(), spec.tools.clone().into());
+        let tools = AgentTools::new(registry.clone(), spec.tools.clone().into())
+            .with_ask_user(spec.ask_user);
         let definitions: Arc<[ToolDefinition]> = tools.definitions().into();
         let digest = definition_digest(&spec, &definitions);
         let schema_tokens = definitions

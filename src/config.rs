@@ -519,6 +519,13 @@ pub struct AgentConfig {
     /// A tool output longer than this is cut in the request (in full in the event log).
     #[serde(default = "default_context_tool_output_bytes")]
     pub context_tool_output_bytes: usize,
+    /// Offer the model the `ask_user` pseudo-tool (the run waits for the user's input).
+    #[serde(default = "default_ask_user")]
+    pub ask_user: bool,
+}
+
+fn default_ask_user() -> bool {
+    true
 }
 
 fn default_context_tokens() -> usize {
@@ -551,6 +558,7 @@ impl AgentConfig {
             output_schema: None,
             context_tokens: default_context_tokens(),
             context_tool_output_bytes: default_context_tool_output_bytes(),
+            ask_user: default_ask_user(),
         }
     }
 }

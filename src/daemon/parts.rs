@@ -471,7 +471,8 @@ pub async fn build_parts(
             .context(ContextBudget {
                 max_tokens: fit_context(a.context_tokens, config.models.get(&a.model)),
                 max_tool_output_bytes: a.context_tool_output_bytes,
-            });
+            })
+            .ask_user(a.ask_user);
         if let Some(d) = a.deadline {
             spec = spec.deadline(d);
         }

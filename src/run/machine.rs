@@ -281,6 +281,11 @@ pub trait ToolCatalog {
     fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError>;
     /// Whether this call needs an operator's approval (may depend on the arguments).
     fn needs_approval(&self, name: &str, arguments: &Value) -> bool;
+    /// Whether the agent may ask the user (`ask_user`); when not, such a call is answered as
+    /// a correction.
+    fn offers_ask_user(&self) -> bool {
+        true
+    }
     /// The decision taken for a call of `name` whose approval expired (default: reject).
     fn on_approval_timeout(&self, name: &str) -> ApprovalTimeoutAction {
         let _ = name;
@@ -835,7 +840,16 @@ fn on_model_reply(s: &mut RunState, reply: ModelReply, cx: &StepContext<'_>) -> 
     if let Some(which) = s.budget_final {
         return on_reserve_reply(s, reply, which, usage);
     }
-    match decide(&reply) {
+    let decision = match decide(&reply) {
+        Decision::AskUser { .. } if !cx.tools.offers_ask_user() => Decision::Malformed {
+            code: "ask_user_disabled",
+            message: "`ask_user` is switched off for this agent: decide with what you have, \
+                      or give your final answer"
+                .to_owned(),
+        },
+        d => d,
+    };
+    match decision {
         Decision::Final(text) => {
             s.corrections = 0;
             s.messages.push(Message::Assistant {

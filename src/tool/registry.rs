@@ -124,11 +124,23 @@ pub fn ask_user_definition() -> ToolDefinition {
 pub struct AgentTools {
     registry: Arc<Registry>,
     allowed: Arc<[String]>,
+    /// Whether `ask_user` is offered (per agent; default on).
+    ask_user: bool,
 }
 
 impl AgentTools {
     pub fn new(registry: Arc<Registry>, allowed: Arc<[String]>) -> Self {
-        AgentTools { registry, allowed }
+        AgentTools {
+            registry,
+            allowed,
+            ask_user: true,
+        }
+    }
+
+    /// Offers `ask_user` or not.
+    pub fn with_ask_user(mut self, offered: bool) -> Self {
+        self.ask_user = offered;
+        self
     }
 
     fn allowed_spec(&self, name: &str) -> Option<&ToolSpec> {
@@ -138,7 +150,8 @@ impl AgentTools {
         self.registry.get(name).map(|t| t.tool.spec())
     }
 
-    /// The tool definitions offered to the model (allow-listed tools plus `ask_user`).
+    /// The tool definitions offered to the model (allow-listed tools plus `ask_user` unless it
+    /// is switched off).
     pub fn definitions(&self) -> Vec<ToolDefinition> {
         let mut defs: Vec<ToolDefinition> = self
             .allowed
@@ -153,7 +166,9 @@ impl AgentTools {
                 }
             })
             .collect();
-        defs.push(ask_user_definition());
+        if self.ask_user {
+            defs.push(ask_user_definition());
+        }
         defs
     }
 
@@ -165,6 +180,10 @@ impl AgentTools {
 }
 
 impl ToolCatalog for AgentTools {
+    fn offers_ask_user(&self) -> bool {
+        self.ask_user
+    }
+
     fn lookup(&self, name: &str) -> ToolLookup {
         match self.allowed_spec(name) {
             Some(s) => ToolLookup::Allowed(ToolInfo {

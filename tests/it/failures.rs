@@ -304,3 +304,44 @@ async fn an_oversized_context_is_rebuilt_once() {
     assert_eq!(run["error"]["code"], "context_length_exceeded", "{run}");
     d.stop().await;
 }
+
+#[tokio::test]
+async fn ask_user_can_be_switched_off_per_agent() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    model
+        .push(Scripted::tool_calls(&[(
+            "q1",
+            "ask_user",
+            r#"{"question":"which city?"}"#,
+        )]))
+        .push(Scripted::text("Paris, decided alone"));
+    let d = start(&model, &tools, |c| {
+        c.agents.get_mut("ops").unwrap().ask_user = false;
+    })
+    .await;
+    let id = create(&d, "pick a city").await;
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "Paris, decided alone");
+    let requests = model.requests();
+    let offered: Vec<&str> = requests[0].body["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(offered, ["lookup"], "ask_user is not offered");
+    let corrected = tool_messages(&requests[1].body);
+    assert_eq!(
+        corrected[0]["error"]["code"], "invalid_argument",
+        "{corrected:?}"
+    );
+    assert!(
+        corrected[0]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("switched off"),
+        "{corrected:?}"
+    );
+    d.stop().await;
+}
