@@ -34,6 +34,60 @@ pub struct BenchOptions {
     /// Instead of running steps: park every run in `waiting_input` (one model turn asking the
     /// user), measure the memory of N live, idle runs, then cancel them.
     pub park: bool,
+    /// Bytes of each tool output (the echoed text; the call's arguments carry it too). 0: a
+    /// short text.
+    pub tool_output_bytes: usize,
+    /// A single Redis server (`redis://…`) whose `INFO` is read before and after, to report
+    /// bytes received and commands per step. Other clients of that server count too.
+    pub redis_stats_url: Option<String>,
+}
+
+/// Bytes Redis received and commands it ran (`INFO stats` `total_net_input_bytes`, the sum of
+/// `INFO commandstats` calls, Lua-internal calls included).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RedisTraffic {
+    pub input_bytes: u64,
+    pub commands: u64,
+}
+
+impl RedisTraffic {
+    /// Reads both counters from `INFO` text (sections `stats` and `commandstats`).
+    pub fn parse(info: &str) -> RedisTraffic {
+        let mut t = RedisTraffic::default();
+        for line in info.lines() {
+            if let Some(v) = line.strip_prefix("total_net_input_bytes:") {
+                t.input_bytes = v.trim().parse().unwrap_or(0);
+            } else if line.starts_with("cmdstat_")
+                && let Some(calls) = line
+                    .split([':', ','])
+                    .find_map(|f| f.strip_prefix("calls="))
+            {
+                t.commands += calls.trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+        t
+    }
+}
+
+async fn redis_traffic(url: &str) -> Result<RedisTraffic, String> {
+    // The server's counters do not depend on the namespace; the client rejects unknown
+    // query parameters, so connect without them.
+    let base = url.split('?').next().unwrap_or(url);
+    let client = ::redis::Client::open(base).map_err(|e| format!("redis stats: {e}"))?;
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("redis stats: {e}"))?;
+    let mut info = String::new();
+    for section in ["stats", "commandstats"] {
+        let text: String = ::redis::cmd("INFO")
+            .arg(section)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| format!("redis stats: {e}"))?;
+        info.push_str(&text);
+    }
+    Ok(RedisTraffic::parse(&info))
 }
 
 impl Default for BenchOptions {
@@ -46,6 +100,8 @@ impl Default for BenchOptions {
             tool_workers: 256,
             timeout: Duration::from_secs(600),
             park: false,
+            tool_output_bytes: 0,
+            redis_stats_url: None,
         }
     }
 }
@@ -65,6 +121,9 @@ pub struct BenchReport {
     pub transitions: u64,
     /// With `park`: resident memory above the baseline while all runs were parked.
     pub parked_rss: Option<u64>,
+    /// With `redis_stats_url`: what Redis received during the run (the two `INFO` reads
+    /// between included).
+    pub redis: Option<RedisTraffic>,
 }
 
 impl BenchReport {
@@ -109,6 +168,17 @@ impl std::fmt::Display for BenchReport {
             "memory per run     {:.1} KiB (peak above baseline / runs, messages included)",
             self.bytes_per_run() as f64 / 1024.0
         )?;
+        if let Some(r) = self.redis {
+            let steps = self.steps.max(1) as f64;
+            write!(
+                f,
+                "\nredis per step     {:.2} KiB received, {:.1} commands (INFO total_net_input_bytes, commandstats calls incl. Lua; {} B, {} commands in all)",
+                r.input_bytes as f64 / 1024.0 / steps,
+                r.commands as f64 / steps,
+                r.input_bytes,
+                r.commands
+            )?;
+        }
         if let Some(parked) = self.parked_rss {
             write!(
                 f,
@@ -118,6 +188,18 @@ impl std::fmt::Display for BenchReport {
         }
         Ok(())
     }
+}
+
+/// The echo tool's `maxLength` for its text: the largest output the bench can ask for.
+pub const MAX_TOOL_OUTPUT_BYTES: usize = 4096;
+
+/// The echo text of step `turn`: `bytes` long when `bytes > 0`.
+fn step_text(turn: u32, bytes: usize) -> String {
+    let mut text = format!("step {turn} ");
+    if bytes > text.len() {
+        text.extend(std::iter::repeat_n('x', bytes - text.len()));
+    }
+    text
 }
 
 fn proc_status_kib(field: &str) -> u64 {
@@ -149,6 +231,12 @@ fn cpu_time() -> Duration {
 pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, String> {
     let steps = opts.steps;
     let park = opts.park;
+    let output_bytes = opts.tool_output_bytes;
+    if output_bytes > MAX_TOOL_OUTPUT_BYTES {
+        return Err(format!(
+            "--tool-output-bytes {output_bytes} is above {MAX_TOOL_OUTPUT_BYTES}, the longest text the echo tool takes"
+        ));
+    }
     let last_call: Arc<DashMap<RunId, Instant>> = Arc::new(DashMap::new());
     let latencies: Arc<std::sync::Mutex<Vec<u32>>> = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (lc, lat) = (last_call.clone(), latencies.clone());
@@ -177,7 +265,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
                 tool_calls: vec![ModelToolCall {
                     id: format!("c{turn}"),
                     name: "echo".into(),
-                    arguments: json!({"text": format!("step {turn}")}).to_string(),
+                    arguments: json!({"text": step_text(turn, output_bytes)}).to_string(),
                 }],
                 usage: Default::default(),
             }
@@ -229,6 +317,10 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     .await
     .map_err(|e| e.to_string())?;
     let handle = runtime.handle();
+    let redis_before = match &opts.redis_stats_url {
+        Some(url) => Some(redis_traffic(url).await?),
+        None => None,
+    };
     let baseline_rss = proc_status_kib("VmRSS:") * 1024;
     let cpu_before = cpu_time();
     let started = Instant::now();
@@ -294,6 +386,16 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     let elapsed = started.elapsed();
     let cpu = cpu_time().saturating_sub(cpu_before);
     let peak_rss = proc_status_kib("VmHWM:") * 1024;
+    let redis = match (&opts.redis_stats_url, redis_before) {
+        (Some(url), Some(before)) => {
+            let after = redis_traffic(url).await?;
+            Some(RedisTraffic {
+                input_bytes: after.input_bytes.saturating_sub(before.input_bytes),
+                commands: after.commands.saturating_sub(before.commands),
+            })
+        }
+        _ => None,
+    };
     let mut succeeded = 0;
     let mut steps_done = 0u64;
     for id in &ids {
@@ -327,7 +429,36 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         peak_rss,
         transitions: metrics.transitions.load(Ordering::Relaxed),
         parked_rss,
+        redis,
     };
     runtime.shutdown(Duration::from_secs(30)).await;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_traffic_sums_every_command_and_reads_input_bytes() {
+        let info = "# Stats\r\ntotal_connections_received:3\r\ntotal_net_input_bytes:12345\r\n\
+                    # Commandstats\r\ncmdstat_get:calls=7,usec=10,usec_per_call=1.4\r\n\
+                    cmdstat_evalsha:calls=5,usec=99,usec_per_call=19.8,rejected_calls=0\r\n";
+        assert_eq!(
+            RedisTraffic::parse(info),
+            RedisTraffic {
+                input_bytes: 12345,
+                commands: 12
+            }
+        );
+    }
+
+    #[test]
+    fn step_text_has_the_asked_size() {
+        assert_eq!(
+            step_text(3, MAX_TOOL_OUTPUT_BYTES).len(),
+            MAX_TOOL_OUTPUT_BYTES
+        );
+        assert_eq!(step_text(3, 0), "step 3 ");
+    }
 }

@@ -274,6 +274,10 @@ pub struct BenchArgs {
     /// Measure memory instead: park every run in waiting_input, sample RSS, cancel them.
     #[arg(long)]
     pub park: bool,
+    /// Bytes of each tool output, at most 4096 (0: a short text). On a redis:// store, bytes and commands
+    /// Redis received per step are printed (from INFO; other clients of the server count too).
+    #[arg(long, default_value_t = 0)]
+    pub tool_output_bytes: usize,
 }
 
 #[derive(Debug, Args)]

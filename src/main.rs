@@ -151,8 +151,11 @@ fn dev_token(dir: Option<&std::path::Path>) -> anyhow::Result<String> {
 }
 
 async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {
-    let store = agentd::store::open(&bench_store_url(&args.store)).await?;
+    let url = bench_store_url(&args.store);
+    let store = agentd::store::open(&url).await?;
     let opts = agentd::bench::BenchOptions {
+        tool_output_bytes: args.tool_output_bytes,
+        redis_stats_url: url.starts_with("redis://").then(|| url.clone()),
         runs: args.runs,
         steps: args.steps,
         model_delay: args.model_delay,
