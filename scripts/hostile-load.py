@@ -6,7 +6,8 @@ model), then measures:
 
 1. follows of finished runs: resident memory (VmRSS) before and after N SSE follows of runs
    that have already ended; every follow must leave nothing behind in the daemon.
-2. slow header senders: S connections that send a request head one byte every 100 ms. Meanwhile
+2. slow header senders: S connections that send a request head one byte every 100 ms (every
+   tenth sends nothing at all). Meanwhile
    /healthz is probed on fresh connections (latency percentiles), and the time each slow
    socket stays open is recorded (the daemon must close them within server.header_read_timeout).
 
@@ -18,6 +19,7 @@ is stopped at the end. Example:
 """
 
 import argparse
+import errno
 import http.client
 import json
 import os
@@ -208,9 +210,12 @@ def measure_slow_headers(port, slow, header_timeout, deadline):
     socks = {}
     opened = time.monotonic()
     for i in range(slow):
-        s = socket.create_connection((HOST, port))
+        # Non-blocking connects: every socket's clock starts now, not after the others.
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setblocking(False)
-        socks[s] = {"i": i, "sent": 0, "opened": time.monotonic(), "closed": None}
+        s.connect_ex((HOST, port))
+        # Every tenth sends nothing at all.
+        socks[s] = {"i": i, "sent": 0, "silent": i % 10 == 0, "opened": time.monotonic(), "closed": None}
         sel.register(s, selectors.EVENT_READ)
     print(f"slow header senders: {slow} connections opened in {time.monotonic() - opened:.2f} s")
     latencies = []
@@ -243,12 +248,16 @@ def measure_slow_headers(port, slow, header_timeout, deadline):
         if now >= next_byte:
             next_byte = now + 0.1
             for s, st in socks.items():
-                if st["closed"] is None:
+                if st["closed"] is None and not st["silent"]:
                     byte = head[st["sent"]:st["sent"] + 1] or b"a"
-                    st["sent"] += 1
                     try:
                         s.send(byte)
-                    except OSError:
+                        st["sent"] += 1
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError as e:
+                        if e.errno in (errno.ENOTCONN, errno.EAGAIN):
+                            continue
                         st["closed"] = time.monotonic()
                         open_left -= 1
                         sel.unregister(s)
@@ -257,6 +266,8 @@ def measure_slow_headers(port, slow, header_timeout, deadline):
             st = socks[s]
             try:
                 data = s.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                continue
             except OSError:
                 data = b""
             if not data and st["closed"] is None:
