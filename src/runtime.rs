@@ -694,8 +694,11 @@ impl RuntimeHandle {
             .store
             .list_runs(tenant, filter, cursor, limit)
             .await?;
-        // A run whose checkpoint does not decode is quarantined and left out; the rest of
-        // the page is served.
+        // A run whose record or checkpoint does not decode is quarantined and left out; the
+        // rest of the page is served.
+        for (id, reason) in &page.unreadable {
+            self.quarantine(id, format!("its stored record does not decode: {reason}"));
+        }
         let runs = page
             .items
             .iter()

@@ -116,6 +116,9 @@ pub struct RunFilter {
 pub struct RunPage {
     pub items: Vec<Checkpoint>,
     pub next_cursor: Option<String>,
+    /// Runs the listing met whose stored record does not decode, with why: left out of
+    /// `items` (the rest of the page is served) for the caller to quarantine.
+    pub unreadable: Vec<(RunId, String)>,
 }
 
 impl RunPage {
@@ -129,7 +132,11 @@ impl RunPage {
         } else {
             None
         };
-        RunPage { items, next_cursor }
+        RunPage {
+            items,
+            next_cursor,
+            unreadable: Vec::new(),
+        }
     }
 }
 
@@ -349,7 +356,9 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// Runs not yet terminal, for recovery at start.
     async fn active_runs(&self) -> Result<Vec<RunId>>;
 
-    /// The tenant's runs, newest first.
+    /// The tenant's runs, newest first. A filtered listing reads only the runs its filter
+    /// selects, from an index per (tenant, status) and per (tenant, agent) that every store
+    /// keeps with its commits: its cost follows the page, not the tenant's history.
     async fn list_runs(
         &self,
         tenant: &str,
