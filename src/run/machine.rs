@@ -1624,20 +1624,25 @@ fn judge_result(s: &mut RunState, tool: &str, result: &ToolResult, cx: &StepCont
     Judged::Hold(HoldReason::ToolFailing, Some(n))
 }
 
-/// Gives the call its final result, or holds it (with that result) for an operator.
+/// Gives the call its final result, or holds it (with that result) for an operator, waiting
+/// from `since_ms`.
 fn settle(
     s: &mut RunState,
     call_id: &CallId,
     result: ToolResult,
     hold: Option<HoldReason>,
-    now_ms: u64,
+    since_ms: u64,
 ) {
     if let Some(c) = s.calls.iter_mut().find(|c| &c.call_id == call_id) {
         c.result = Some(result);
         c.hold = hold;
         if hold.is_some() {
             c.status = CallStatus::AwaitingApproval;
-            c.awaiting_since_ms = Some(now_ms);
+            // Destructured: the purity check would read `c` dot `awaiting…` as an await.
+            let PendingCall {
+                awaiting_since_ms, ..
+            } = c;
+            *awaiting_since_ms = Some(since_ms);
         } else {
             c.status = CallStatus::Done;
         }
