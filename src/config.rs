@@ -408,6 +408,14 @@ pub struct ToolConfig {
     /// of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// Calls of the tool failing in a row in one run (after those retries) before the run
+    /// waits for an operator with reason `tool_failing` (default 3; 0 = never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_failures: Option<u32>,
+    /// A 401/403 answer: "fail" (the run fails `permission_denied`, the default) | "operator"
+    /// (the run waits for an operator, reason `permission_error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_permission_error: Option<crate::tool::OnPermissionError>,
     /// mcp (stdio): the server's command and arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
@@ -463,6 +471,8 @@ impl ToolConfig {
             requests_per_second: None,
             polling: None,
             max_attempts: None,
+            max_failures: None,
+            on_permission_error: None,
             command: None,
             args: Vec::new(),
             effects: BTreeMap::new(),

@@ -86,6 +86,14 @@ pub enum Control {
     Input {
         text: String,
     },
+    /// An operator's decision `fail` on a call waiting for one: end the run `failed`.
+    Fail {
+        call_id: CallId,
+        #[serde(default)]
+        reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
+    },
 }
 
 /// A stored control message with its position in the run's inbox (from 1, gap-free).

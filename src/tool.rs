@@ -95,6 +95,22 @@ pub enum ApprovalTimeoutAction {
     Approve,
 }
 
+/// What a 401/403 answer of a tool (error code `permission`) does to the run. Never retried.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnPermissionError {
+    /// The run ends `failed` with `permission_denied` (the default).
+    #[default]
+    Fail,
+    /// The run waits for an operator (`waiting_approval`, reason `permission_error`): approve
+    /// runs the call again, reject skips it (the model is told), fail ends the run.
+    Operator,
+}
+
+/// Calls of one tool failing in a row in one run before the run waits for an operator
+/// (`tool_failing`), unless the tool sets its own `max_failures`.
+pub const DEFAULT_MAX_FAILURES: u32 = 3;
+
 /// A tool's declared contract. The runtime enforces it whatever the model says.
 #[derive(Debug, Clone)]
 pub struct ToolSpec {
@@ -126,6 +142,12 @@ pub struct ToolSpec {
     /// transiently (retried by the executor with the same key; `unsafe` tools are never
     /// retried blindly).
     pub max_attempts: u32,
+    /// Calls of this tool (after the executor's retries) failing in a row in one run before
+    /// the run waits for an operator with reason `tool_failing`; 0 = never (the model hears of
+    /// every failure, and the no-progress rules apply).
+    pub max_failures: u32,
+    /// What a 401/403 answer does (see [`OnPermissionError`]).
+    pub on_permission_error: OnPermissionError,
 }
 
 /// The most attempts a tool may configure for one call.
@@ -150,6 +172,8 @@ impl ToolSpec {
             reconcilable: false,
             guard: Arc::new(Guard::default()),
             max_attempts: 3,
+            max_failures: DEFAULT_MAX_FAILURES,
+            on_permission_error: OnPermissionError::Fail,
         }
     }
 
@@ -199,6 +223,17 @@ impl ToolSpec {
         self.max_attempts = n.clamp(1, MAX_CALL_ATTEMPTS);
         self
     }
+
+    /// Failures in a row before an operator decides (0: never).
+    pub fn max_failures(mut self, n: u32) -> Self {
+        self.max_failures = n;
+        self
+    }
+
+    pub fn on_permission_error(mut self, action: OnPermissionError) -> Self {
+        self.on_permission_error = action;
+        self
+    }
 }
 
 /// Everything a tool gets besides its arguments.
@@ -241,6 +276,9 @@ pub enum ToolErrorCode {
     PermissionDenied,
     /// An argument value is refused by the tool's deny or path rules; the call was not started.
     ArgumentDenied,
+    /// The call kept failing (or was refused for lack of permission) and an operator chose to
+    /// skip it: it is not run again.
+    Skipped,
 }
 
 impl ToolErrorCode {
@@ -257,6 +295,7 @@ impl ToolErrorCode {
             ToolErrorCode::Overloaded => "overloaded",
             ToolErrorCode::PermissionDenied => "permission_denied",
             ToolErrorCode::ArgumentDenied => "argument_denied",
+            ToolErrorCode::Skipped => "skipped",
         }
     }
 }
