@@ -583,7 +583,8 @@ impl RuntimeHandle {
         run.messages.push(Message::User {
             content: input_text,
         });
-        let checkpoint = checkpoint_of(&run).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let checkpoint =
+            checkpoint_of(&mut run).map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let mut data = serde_json::json!({
             "agent": run.agent, "input": run.input, "budget": run.budget, "status": "created", "phase": null,
         });
@@ -718,13 +719,16 @@ impl RuntimeHandle {
         let runs = page
             .items
             .iter()
-            .filter_map(|cp| match state_of(cp) {
-                Ok(run) => Some(run),
-                Err(e) => {
-                    self.quarantine(&cp.run_id, format!("its checkpoint does not decode: {e}"));
-                    None
-                }
-            })
+            // A listing shows no messages: the transcript is not read.
+            .filter_map(
+                |cp| match crate::run::format::decode_without_transcript(&cp.body) {
+                    Ok(run) => Some(run),
+                    Err(e) => {
+                        self.quarantine(&cp.run_id, format!("its checkpoint does not decode: {e}"));
+                        None
+                    }
+                },
+            )
             .collect();
         Ok((runs, page.next_cursor))
     }

@@ -241,9 +241,17 @@ pub enum Error {
     Bug(String),
 }
 
-/// Serializes the run into its stored form, in the current format (`run::format`).
-pub fn checkpoint_of(run: &RunState) -> Result<Checkpoint, serde_json::Error> {
-    Ok(checkpoint_with_body(run, format::encode(run)?))
+/// Serializes the run into its stored form, in the current format (`run::format`), with its
+/// whole transcript to store from entry 0 (a run being created).
+pub fn checkpoint_of(run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
+    let body = format::encode(run)?;
+    let mut c = checkpoint_with_body(run, body);
+    c.transcript = run
+        .messages
+        .iter()
+        .map(serde_json::to_string)
+        .collect::<Result<_, _>>()?;
+    Ok(c)
 }
 
 fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
@@ -257,78 +265,54 @@ fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
         created_at_ms: run.created_at_ms,
         updated_at_ms: run.updated_at_ms,
         body,
+        transcript: Vec::new(),
+        transcript_from: 0,
     }
 }
 
-/// Writes checkpoints of one run, serializing each message once: the transcript only grows,
-/// so the JSON of messages already written is kept and spliced in. Without this, every step
-/// would re-serialize the whole conversation.
+/// Writes checkpoints of one run. The transcript only grows, and the store keeps it apart,
+/// append-only: each commit sends the small body and only the messages the store does not
+/// hold yet, each serialized once. So the bytes of a commit do not grow with the run.
 #[derive(Debug, Default)]
 pub struct CheckpointWriter {
-    /// JSON of `messages[..n]`, comma-separated.
-    messages_json: String,
-    n: usize,
+    /// JSON of each message serialized so far.
+    messages_json: Vec<String>,
+    /// How many transcript entries the store holds, as of the last commit or load.
+    stored: usize,
 }
 
 impl CheckpointWriter {
-    /// Forgets the cache (after the state was replaced by one read back from the store).
-    pub fn reset(&mut self) {
+    /// Starts over from a checkpoint read back from the store.
+    pub fn loaded(&mut self, cp: &Checkpoint) {
         self.messages_json.clear();
-        self.n = 0;
+        self.stored = format::stored_transcript_len(&cp.body).unwrap_or(0);
+    }
+
+    /// The last checkpoint handed out was committed: the store holds its transcript.
+    pub fn committed(&mut self) {
+        self.stored = self.messages_json.len();
     }
 
     pub fn checkpoint(&mut self, run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
-        if self.n > run.messages.len() {
-            self.reset();
+        if self.messages_json.len() > run.messages.len() {
+            self.messages_json.clear();
         }
-        for m in &run.messages[self.n..] {
-            if self.n > 0 {
-                self.messages_json.push(',');
-            }
-            serde_json::to_writer(string_writer(&mut self.messages_json), m)?;
-            self.n += 1;
+        for m in &run.messages[self.messages_json.len()..] {
+            self.messages_json.push(serde_json::to_string(m)?);
         }
-        // `messages` is the last field: serialize the rest with it empty, then splice.
-        let messages = std::mem::take(&mut run.messages);
-        let head = format::encode(run);
-        run.messages = messages;
-        let head = head?;
-        let Some(prefix) = head.strip_suffix("[]}") else {
-            return checkpoint_of(run);
-        };
-        let mut body = String::with_capacity(prefix.len() + self.messages_json.len() + 2);
-        body.push_str(prefix);
-        body.push('[');
-        body.push_str(&self.messages_json);
-        body.push_str("]}");
-        Ok(checkpoint_with_body(run, body))
-    }
-}
-
-/// Adapts a `String` as an `io::Write` sink for serde_json (which only writes valid UTF-8).
-fn string_writer(s: &mut String) -> StringWriter<'_> {
-    StringWriter(s)
-}
-
-struct StringWriter<'a>(&'a mut String);
-
-impl std::io::Write for StringWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let text = std::str::from_utf8(buf)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        self.0.push_str(text);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+        let body = format::encode(run)?;
+        let mut c = checkpoint_with_body(run, body);
+        let from = self.stored.min(self.messages_json.len());
+        c.transcript_from = from as u64;
+        c.transcript = self.messages_json[from..].to_vec();
+        Ok(c)
     }
 }
 
 /// Reads the run back from its stored form, of any supported format version; a newer one is
 /// refused (the caller treats it as corrupt: the run is quarantined, not misread).
 pub fn state_of(cp: &Checkpoint) -> Result<RunState, format::FormatError> {
-    format::decode(&cp.body)
+    format::decode(&cp.body, &cp.transcript)
 }
 
 enum Applied {
@@ -550,6 +534,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
         tracing::info!(run = %id, node = %deps.node_id, "took the run over");
     }
     let mut live = Live::new(run, lease, agent);
+    live.writer.loaded(&cp);
     if let Some(deadline) = live.run.budget.deadline_ms {
         let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
         live.deadline_timer = Some(
@@ -878,11 +863,14 @@ async fn reload(
     if !live.reloading {
         return Ok(());
     }
-    let loaded = match deps.store.load(&live.run.id).await {
-        Ok(Some(cp)) => state_of(&cp).map_err(|e| Error::Corrupt {
-            run: live.run.id.clone(),
-            message: e.to_string(),
-        })?,
+    let (loaded, cp) = match deps.store.load(&live.run.id).await {
+        Ok(Some(cp)) => (
+            state_of(&cp).map_err(|e| Error::Corrupt {
+                run: live.run.id.clone(),
+                message: e.to_string(),
+            })?,
+            cp,
+        ),
         Ok(None) => return Err(Error::Missing(live.run.id.clone()).into()),
         Err(e) => {
             tracing::warn!(run = %live.run.id, error = %e, "store still unavailable; the run stays paused");
@@ -893,7 +881,7 @@ async fn reload(
     };
     tracing::info!(run = %live.run.id, version = loaded.version, "store is back; resuming the run");
     live.run = loaded;
-    live.writer.reset();
+    live.writer.loaded(&cp);
     live.reloading = false;
     deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
     live.store_failures = 0;
@@ -988,7 +976,10 @@ async fn commit_transition(
         )
         .await;
     match committed {
-        Ok(()) => live.store_failures = 0,
+        Ok(()) => {
+            live.store_failures = 0;
+            live.writer.committed();
+        }
         Err(e) if e.is_retryable() || matches!(e, store::Error::VersionConflict { .. }) => {
             // `live.run` now holds a state that may or may not be stored (a conflict: the
             // store holds a newer one): it is replaced by the checkpoint read back on reload.
@@ -1258,7 +1249,7 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn the_checkpoint_writer_matches_plain_serialization() {
+    fn the_checkpoint_writer_sends_only_what_the_store_lacks() {
         let mut run = RunState::new(
             RunId::generate(),
             "t".into(),
@@ -1268,10 +1259,11 @@ mod tests {
             1,
         );
         let mut w = CheckpointWriter::default();
-        assert_eq!(
-            w.checkpoint(&mut run).unwrap().body,
-            checkpoint_of(&run).unwrap().body
-        );
+        let first = w.checkpoint(&mut run).unwrap();
+        assert_eq!(first.body, checkpoint_of(&mut run).unwrap().body);
+        w.committed();
+        // What the store holds, entry by entry, as the commits append it.
+        let mut stored: Vec<String> = first.transcript.clone();
         for i in 0..3 {
             run.messages.push(Message::User {
                 content: format!("say \"{i}\" \\ é"),
@@ -1281,14 +1273,29 @@ mod tests {
                 content: r#"{"ok":true}"#.into(),
             });
             run.version += 1;
-            let body = w.checkpoint(&mut run).unwrap().body;
-            assert_eq!(body, checkpoint_of(&run).unwrap().body);
-            assert_eq!(state_of(&checkpoint_of(&run).unwrap()).unwrap(), run);
+            let c = w.checkpoint(&mut run).unwrap();
+            assert_eq!(c.body, checkpoint_of(&mut run).unwrap().body);
+            assert_eq!(c.transcript_from as usize, stored.len());
+            assert_eq!(c.transcript.len(), 2, "only the new messages");
+            // A failed commit is retried with the same entries.
+            let again = w.checkpoint(&mut run).unwrap();
+            assert_eq!(again.transcript_from, c.transcript_from);
+            assert_eq!(again.transcript, c.transcript);
+            stored.extend(c.transcript.clone());
+            w.committed();
+            let mut back = c.clone();
+            back.transcript = stored.clone();
+            assert_eq!(state_of(&back).unwrap(), run);
         }
-        w.reset();
-        assert_eq!(
-            w.checkpoint(&mut run).unwrap().body,
-            checkpoint_of(&run).unwrap().body
-        );
+        // After a load, it continues from what the store holds.
+        let mut loaded = checkpoint_of(&mut run).unwrap();
+        loaded.transcript = stored.clone();
+        w.loaded(&loaded);
+        run.messages.push(Message::User {
+            content: "more".into(),
+        });
+        let c = w.checkpoint(&mut run).unwrap();
+        assert_eq!(c.transcript_from as usize, stored.len());
+        assert_eq!(c.transcript.len(), 1);
     }
 }

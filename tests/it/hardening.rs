@@ -165,7 +165,9 @@ async fn an_oversized_output_leaks_neither_a_secret_nor_a_password_anywhere() {
         .unwrap();
     let run_id: agentd::ids::RunId = id.parse().unwrap();
     let checkpoint = store.load(&run_id).await.unwrap().unwrap();
-    sinks.push(("checkpoint", checkpoint.body.clone()));
+    // The stored run: its body and its transcript, stored beside it.
+    let stored = format!("{}\n{}", checkpoint.body, checkpoint.transcript.join("\n"));
+    sinks.push(("checkpoint", stored.clone()));
     let events = store.read(&run_id, 0, 1000).await.unwrap();
     sinks.push(("events", serde_json::to_string(&events).unwrap()));
     let requests = model.requests();
@@ -194,11 +196,11 @@ async fn an_oversized_output_leaks_neither_a_secret_nor_a_password_anywhere() {
         "output not cut"
     );
     assert!(
-        checkpoint.body.contains("zzzz[redacted]zzzz"),
+        stored.contains("zzzz[redacted]zzzz"),
         "the canary was not there"
     );
-    let at = checkpoint.body.find("db_password").unwrap();
-    let after = &checkpoint.body[at..at + 60];
+    let at = stored.find("db_password").unwrap();
+    let after = &stored[at..at + 60];
     assert!(after.contains("[redacted]"), "{after}");
     let error_message = requests[2].body.to_string();
     assert!(error_message.contains("HTTP 400"), "refusal not seen");
@@ -383,12 +385,14 @@ async fn bodies_that_are_not_json_objects_are_refused() {
     d.stop().await;
 }
 
-/// Writes a request head one byte every `every` and never finishes it; returns how long the
-/// server kept the connection open (`None`: still open after `give_up`).
+/// Writes a request head one byte every `every` and never finishes it (or, `silent`, sends
+/// nothing); returns how long the server kept the connection open (`None`: still open after
+/// `give_up`).
 async fn trickle_headers(
     addr: std::net::SocketAddr,
     every: Duration,
     give_up: Duration,
+    silent: bool,
 ) -> Option<Duration> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let started = Instant::now();
@@ -399,7 +403,7 @@ async fn trickle_headers(
     let mut tick = tokio::time::interval(every);
     while started.elapsed() < give_up {
         tokio::select! {
-            _ = tick.tick() => {
+            _ = tick.tick(), if !silent => {
                 let byte = head.get(sent).copied().unwrap_or(b'a');
                 sent += 1;
                 if stream.write_all(&[byte]).await.is_err() {
@@ -423,11 +427,13 @@ async fn slow_header_senders_are_closed_in_time_and_healthz_keeps_answering() {
     let d = TestDaemon::start_with(|c| c.server.header_read_timeout = header_timeout).await;
     let addr = d.addr;
     let slow: Vec<_> = (0..SLOW)
-        .map(|_| {
+        .map(|i| {
             tokio::spawn(trickle_headers(
                 addr,
                 Duration::from_millis(100),
                 Duration::from_secs(15),
+                // Some never send a byte at all.
+                i % 10 == 0,
             ))
         })
         .collect();
@@ -435,7 +441,14 @@ async fn slow_header_senders_are_closed_in_time_and_healthz_keeps_answering() {
     let mut answered = 0;
     let until = Instant::now() + header_timeout;
     while Instant::now() < until {
-        let res = d.http.get(d.url("/healthz")).send().await.unwrap();
+        // Bounded: a daemon whose slots the slow clients hold would never answer.
+        let res = d
+            .http
+            .get(d.url("/healthz"))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .expect("/healthz answered while slow clients held connections");
         assert_eq!(res.status(), StatusCode::OK);
         answered += 1;
     }
@@ -547,6 +560,8 @@ async fn a_corrupt_checkpoint_is_quarantined_and_every_other_run_is_served() {
             created_at_ms: 1,
             updated_at_ms: 1,
             body: r#"{"not":"a run"}"#.into(),
+            transcript: Vec::new(),
+            transcript_from: 0,
         };
         let created = agentd::store::EventRecord {
             seq: 1,

@@ -1397,8 +1397,13 @@ fn an_expired_hold_takes_the_tools_default_decision() {
 #[test]
 fn a_held_call_survives_a_checkpoint_and_a_restart() {
     let mut s = held_after_three_failures();
-    let body = crate::run::format::encode(&s).unwrap();
-    let mut back = crate::run::format::decode(&body).unwrap();
+    let body = crate::run::format::encode(&mut s).unwrap();
+    let transcript: Vec<String> = s
+        .messages
+        .iter()
+        .map(|m| serde_json::to_string(m).unwrap())
+        .collect();
+    let mut back = crate::run::format::decode(&body, &transcript).unwrap();
     assert_eq!(back, s);
     let t = go(&mut back, RunEvent::Resume);
     assert_eq!(t.kind, "run_resumed");
