@@ -97,6 +97,15 @@ pub struct ServerConfig {
     /// is closed (a reader that stopped reading, e.g. an SSE client).
     #[serde(with = "crate::config_duration")]
     pub write_timeout: Duration,
+    /// The base URL tools reach this daemon at, for the callback route of long-running tools
+    /// (`X-Agentd-Callback-Url`). Default: `http://` and the address the daemon listens on
+    /// (`127.0.0.1` for an unspecified address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_url: Option<String>,
+    /// The key of per-call callback tokens (literal or `env:NAME`); every node of a cluster
+    /// needs the same. Default: derived from the configured tenant tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callback_secret: Option<Secret>,
 }
 
 impl Default for ServerConfig {
@@ -108,6 +117,8 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             max_connections: 4096,
             write_timeout: Duration::from_secs(30),
+            public_url: None,
+            callback_secret: None,
         }
     }
 }
@@ -408,6 +419,28 @@ pub struct ToolConfig {
     /// of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// http: the deadline of a call the tool accepted to finish later (`202`), from its
+    /// acceptance. Default: `timeout`.
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub task_timeout: Option<Duration>,
+    /// http: the first wait before polling an accepted call's status URL (default 1s); later
+    /// waits grow by half, with jitter, up to `poll_max_interval` (default 30s).
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub poll_interval: Option<Duration>,
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub poll_max_interval: Option<Duration>,
     /// mcp (stdio): the server's command and arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
@@ -463,6 +496,9 @@ impl ToolConfig {
             requests_per_second: None,
             polling: None,
             max_attempts: None,
+            task_timeout: None,
+            poll_interval: None,
+            poll_max_interval: None,
             command: None,
             args: Vec::new(),
             effects: BTreeMap::new(),
@@ -1346,6 +1382,7 @@ impl Config {
             t.bearer_token = t.bearer_token.as_ref().map(Secret::redacted);
         }
         c.secrets.values = c.secrets.values.iter().map(Secret::redacted).collect();
+        c.server.callback_secret = c.server.callback_secret.as_ref().map(Secret::redacted);
         c
     }
 
@@ -1427,6 +1464,8 @@ impl Config {
                 n => Some(n),
             },
             max_input_bytes: self.limits.max_input_bytes,
+            // Needs the address the daemon listens on: set by `daemon::run`.
+            callbacks: None,
         }
     }
 }

@@ -86,6 +86,12 @@ pub enum Control {
     Input {
         text: String,
     },
+    /// A long-running tool's result for one call, sent through the callback route (its
+    /// per-call token was checked before the entry was stored; the token is not stored).
+    CallResult {
+        call_id: CallId,
+        result: crate::tool::ToolResult,
+    },
 }
 
 /// A stored control message with its position in the run's inbox (from 1, gap-free).

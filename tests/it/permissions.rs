@@ -171,7 +171,10 @@ async fn scopes_by_tools_by_routes_matrix() {
 
     // Routes × tokens.
     let mut checked = 0;
-    for route in agentd::api::ROUTES.iter().filter(|r| r.auth) {
+    for route in agentd::api::ROUTES
+        .iter()
+        .filter(|r| r.auth == agentd::api::Access::Tenant)
+    {
         let (need, bodies) = route_rule(route.method, route.path);
         for body in bodies {
             for t in TOKENS {
@@ -610,6 +613,7 @@ async fn mcp_calls_carry_the_tenant_and_run_in_meta() {
         call_id: CallId::new(1, 0),
         idempotency_key: "k".into(),
         cancel: CancellationToken::new(),
+        long_running: Default::default(),
     };
     let out = tokio::time::timeout(Duration::from_secs(30), whoami.call(&ctx, json!({})))
         .await
