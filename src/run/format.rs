@@ -6,13 +6,16 @@
 //! - 1: the JSON of `RunState` with no version field (every release before the field existed).
 //! - 2: the same fields, with `"format_version": 2` first. `messages` stays the last field, so
 //!   `runtime::actor::CheckpointWriter` can still splice the transcript in.
+//! - 3: long-running tool calls: phase `awaiting_tool`, call status `awaiting_result` and the
+//!   call's `task` (status URL, deadline). Every version 2 body reads unchanged; a build that
+//!   knows only version 2 refuses a version 3 body instead of failing on the new names.
 
 use serde::{Deserialize, Serialize};
 
 use crate::run::RunState;
 
 /// The version this build writes.
-pub const CURRENT: u32 = 2;
+pub const CURRENT: u32 = 3;
 /// The oldest version this build reads.
 pub const OLDEST: u32 = 1;
 /// The body's field that names its version; a body without it is version 1.
@@ -60,9 +63,9 @@ pub fn version_of(body: &str) -> Result<u64, FormatError> {
 pub fn decode(body: &str) -> Result<RunState, FormatError> {
     match version_of(body)? {
         // Version 2 only added the version field, which `RunState` does not carry (serde
-        // ignores it), so both read the same way. A later version that changes fields
-        // migrates here, from the oldest up.
-        1 | 2 => Ok(serde_json::from_str(body)?),
+        // ignores it), and version 3 only new optional fields and names, so all read the same
+        // way. A later version that changes fields migrates here, from the oldest up.
+        1..=3 => Ok(serde_json::from_str(body)?),
         found => Err(FormatError::UnsupportedVersion { found }),
     }
 }
@@ -88,12 +91,12 @@ mod tests {
     fn the_current_format_names_its_version_first_and_reads_back() {
         let run = run();
         let body = encode(&run).unwrap();
-        assert!(body.starts_with(r#"{"format_version":2,"#), "{body}");
+        assert!(body.starts_with(r#"{"format_version":3,"#), "{body}");
         assert!(
             body.ends_with(r#""messages":[]}"#),
             "messages stay last: {body}"
         );
-        assert_eq!(version_of(&body).unwrap(), 2);
+        assert_eq!(version_of(&body).unwrap(), 3);
         assert_eq!(decode(&body).unwrap(), run);
     }
 
@@ -110,12 +113,12 @@ mod tests {
         let body =
             encode(&run())
                 .unwrap()
-                .replacen(r#""format_version":2"#, r#""format_version":3"#, 1);
+                .replacen(r#""format_version":3"#, r#""format_version":4"#, 1);
         let err = decode(&body).unwrap_err();
-        assert!(matches!(err, FormatError::UnsupportedVersion { found: 3 }));
+        assert!(matches!(err, FormatError::UnsupportedVersion { found: 4 }));
         let message = err.to_string();
-        assert!(message.contains("version 3"), "{message}");
-        assert!(message.contains("1 to 2"), "{message}");
+        assert!(message.contains("version 4"), "{message}");
+        assert!(message.contains("1 to 3"), "{message}");
     }
 
     #[test]

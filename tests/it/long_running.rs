@@ -1,0 +1,326 @@
+//! Long-running HTTP tools (API.md "Long-running HTTP tools") against the fake `LongTool`: a
+//! call answered `202` waits in `awaiting_tool` and is completed by polling its status URL or
+//! by the callback route with its per-call token; the call survives a daemon restart;
+//! cancelling stops the polling; the call's own deadline answers the model with a timeout.
+
+use std::time::Duration;
+
+use agentd::config::Config;
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+
+use crate::daemon_support::{ALPHA, BETA, CONFIG, TestDaemon, assert_error};
+use crate::fakes::{LongTool, PollAnswer};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// The test configuration plus the `long` agent, whose model calls `long_job` once and then
+/// says what the tool's result was.
+fn config(tool_url: &str, tool_extra: &str, store: &str) -> Config {
+    let text = format!(
+        r#"{CONFIG}
+[models.long]
+kind = "scripted"
+rules = [
+  {{ when = {{ last_tool_contains = "result-42" }}, reply = {{ text = "got 42" }} }},
+  {{ when = {{ last_tool_contains = "\"timeout\"" }}, reply = {{ text = "timed out" }} }},
+  {{ when = {{ last_tool_contains = "\"ok\"" }}, reply = {{ text = "other" }} }},
+]
+default_reply = {{ tool_calls = [ {{ name = "long_job", arguments = {{ job = "build" }} }} ] }}
+
+[tools.long_job]
+kind = "http"
+url = "{tool_url}"
+effect = "unsafe"
+timeout = "5s"
+task_timeout = "30s"
+poll_interval = "50ms"
+poll_max_interval = "200ms"
+parameters = {{ type = "object", properties = {{ job = {{ type = "string" }} }} }}
+{tool_extra}
+
+[agents.long]
+model = "long"
+tools = ["long_job"]
+"#
+    );
+    let mut c = Config::from_toml(&text).unwrap();
+    c.store.url = store.to_owned();
+    c
+}
+
+async fn events(d: &TestDaemon, id: &str) -> Vec<Value> {
+    let (s, v) = d.get(&format!("/v1/runs/{id}/events"), ALPHA).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    v["events"].as_array().unwrap().clone()
+}
+
+fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["type"] == kind).collect()
+}
+
+/// `POST <path>` with `Authorization: Bearer <token>` (if any) and `body`.
+async fn callback(
+    d: &TestDaemon,
+    path: &str,
+    token: Option<&str>,
+    body: Value,
+) -> (StatusCode, Value) {
+    let (s, _, v) = d.send(Method::POST, path, token, Some(body)).await;
+    (s, v)
+}
+
+fn path_of(url: &str) -> String {
+    let u = reqwest::Url::parse(url).unwrap();
+    u.path().to_owned()
+}
+
+/// Nothing of the token is in the run's events, transcript or record.
+async fn assert_token_hidden(d: &TestDaemon, id: &str, token: &str) {
+    let evs = serde_json::to_string(&events(d, id).await).unwrap();
+    let (_, run) = d.get(&format!("/v1/runs/{id}"), ALPHA).await;
+    let (_, messages) = d.get(&format!("/v1/runs/{id}/messages"), ALPHA).await;
+    for (what, text) in [
+        ("events", evs),
+        ("run", run.to_string()),
+        ("messages", messages.to_string()),
+    ] {
+        assert!(!text.contains(token), "the callback token is in the {what}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_202_call_is_completed_by_polling_its_status_url() {
+    let tool = LongTool::start().await;
+    // A relative `Location` header this time (the callback test uses the body).
+    let d = TestDaemon::start_config(config(&tool.url("/job-location"), "", "memory:")).await;
+    let id = d.create(ALPHA, "long").await;
+    let call = tool.wait_call(1, WAIT).await;
+    // What the tool was sent: whom it acts for, where and with what to call back.
+    assert_eq!(call.tenant.as_deref(), Some("alpha"));
+    assert_eq!(
+        call.callback_url.as_deref(),
+        Some(
+            d.url(&format!("/v1/runs/{id}/calls/call_1_0/result"))
+                .as_str()
+        )
+    );
+    let token = call.callback_token.clone().unwrap();
+    assert_eq!(token.len(), 64, "{token}");
+    let run = d
+        .wait_run(ALPHA, &id, |v| v["phase"] == "awaiting_tool")
+        .await;
+    assert_eq!(run["status"], "running");
+    // Polled with backoff while it runs, without a result yet.
+    tool.wait_polls(3, WAIT).await;
+    let (_, run) = d.get(&format!("/v1/runs/{id}"), ALPHA).await;
+    assert_eq!(run["phase"], "awaiting_tool", "{run}");
+
+    tool.answer(PollAnswer::Done(json!({"value": "result-42"})));
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "got 42", "{run}");
+    let evs = events(&d, &id).await;
+    let accepted = of_type(&evs, "tool_call_accepted");
+    assert_eq!(accepted.len(), 1, "{evs:?}");
+    assert_eq!(accepted[0]["data"]["phase"], "awaiting_tool");
+    let finished = of_type(&evs, "tool_call_finished");
+    assert_eq!(finished.len(), 1, "{evs:?}");
+    assert_eq!(finished[0]["data"]["via"], "poll");
+    assert_eq!(finished[0]["data"]["ok"], true);
+    // One call, never resent; every poll went to the status URL of that call.
+    assert_eq!(tool.calls().len(), 1);
+    assert!(tool.polls() >= 4, "{}", tool.polls());
+    assert_token_hidden(&d, &id, &token).await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_poll_fails_the_call_with_the_tools_error() {
+    let tool = LongTool::start().await;
+    let d = TestDaemon::start_config(config(&tool.url("/job"), "", "memory:")).await;
+    let id = d.create(ALPHA, "long").await;
+    tool.wait_polls(1, WAIT).await;
+    tool.answer(PollAnswer::Fail(422, "the build broke".into()));
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "other", "{run}");
+    let evs = events(&d, &id).await;
+    let finished = of_type(&evs, "tool_call_finished");
+    assert_eq!(finished[0]["data"]["ok"], false, "{evs:?}");
+    assert_eq!(finished[0]["data"]["error"]["code"], "failed");
+    let (_, messages) = d.get(&format!("/v1/runs/{id}/messages"), ALPHA).await;
+    assert!(
+        messages.to_string().contains("the build broke"),
+        "{messages}"
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_202_call_is_completed_by_callback_once() {
+    let tool = LongTool::start().await;
+    // No status URL: only the callback can complete it.
+    let d = TestDaemon::start_config(config(&tool.url("/job-callback"), "", "memory:")).await;
+    let id = d.create(ALPHA, "long").await;
+    let call = tool.wait_call(1, WAIT).await;
+    let token = call.callback_token.clone().unwrap();
+    let path = path_of(call.callback_url.as_deref().unwrap());
+    d.wait_run(ALPHA, &id, |v| v["phase"] == "awaiting_tool")
+        .await;
+    let result = json!({"ok": true, "data": {"value": "result-42"}});
+
+    // Only the call's own token is accepted: not a wrong one, not a tenant's token, not none,
+    // not this token for another call.
+    let other_call = path.replace("call_1_0", "call_1_1");
+    for (p, t) in [
+        (path.as_str(), Some("0".repeat(64))),
+        (path.as_str(), Some(ALPHA.to_owned())),
+        (path.as_str(), Some(BETA.to_owned())),
+        (path.as_str(), None),
+        (other_call.as_str(), Some(token.clone())),
+    ] {
+        let (s, v) = callback(&d, p, t.as_deref(), result.clone()).await;
+        assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthenticated");
+    }
+    let (_, run) = d.get(&format!("/v1/runs/{id}"), ALPHA).await;
+    assert_eq!(
+        run["phase"], "awaiting_tool",
+        "refused callbacks changed nothing: {run}"
+    );
+    // A malformed body with the right token: 422, nothing changed.
+    let (s, v) = callback(&d, &path, Some(&token), json!({"ok": false})).await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request");
+
+    let (s, v) = callback(&d, &path, Some(&token), result.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["accepted"], true);
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "got 42", "{run}");
+    // The first result won; a later one is a conflict.
+    let (s, v) = callback(
+        &d,
+        &path,
+        Some(&token),
+        json!({"ok": true, "data": "again"}),
+    )
+    .await;
+    assert_error(s, &v, StatusCode::CONFLICT, "invalid_state");
+    let evs = events(&d, &id).await;
+    let finished = of_type(&evs, "tool_call_finished");
+    assert_eq!(finished.len(), 1, "{evs:?}");
+    assert_eq!(finished[0]["data"]["via"], "callback");
+    assert_eq!(tool.polls(), 0);
+    assert_token_hidden(&d, &id, &token).await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_awaiting_call_survives_a_daemon_restart_and_completes_by_callback() {
+    let tool = LongTool::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("file:{}", dir.path().join("data").display());
+    let cfg = || config(&tool.url("/job"), "", &store);
+    let d = TestDaemon::start_config(cfg()).await;
+    let id = d.create(ALPHA, "long").await;
+    let call = tool.wait_call(1, WAIT).await;
+    let token = call.callback_token.clone().unwrap();
+    let path = path_of(call.callback_url.as_deref().unwrap());
+    d.wait_run(ALPHA, &id, |v| v["phase"] == "awaiting_tool")
+        .await;
+    tool.wait_polls(2, WAIT).await;
+    d.stop().await;
+
+    let polls_before = tool.polls();
+    let d = TestDaemon::start_config(cfg()).await;
+    let run = d
+        .wait_run(ALPHA, &id, |v| v["phase"] == "awaiting_tool")
+        .await;
+    assert_eq!(run["status"], "running");
+    // Polling resumed from the checkpoint (status URL and deadline were stored) ...
+    tool.wait_polls(polls_before + 2, WAIT).await;
+    // ... and the call's token still works after the restart.
+    let (s, v) = callback(
+        &d,
+        &path,
+        Some(&token),
+        json!({"ok": true, "data": "result-42"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "got 42", "{run}");
+    // Accepted calls are never resent: the tool saw one call.
+    assert_eq!(tool.calls().len(), 1);
+    let evs = events(&d, &id).await;
+    let finished = of_type(&evs, "tool_call_finished");
+    assert_eq!(finished.len(), 1, "{evs:?}");
+    assert_eq!(finished[0]["data"]["via"], "callback");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_an_awaiting_run_stops_polling_and_refuses_a_later_result() {
+    let tool = LongTool::start().await;
+    let d = TestDaemon::start_config(config(&tool.url("/job"), "", "memory:")).await;
+    let id = d.create(ALPHA, "long").await;
+    let call = tool.wait_call(1, WAIT).await;
+    tool.wait_polls(2, WAIT).await;
+    let (s, v) = d
+        .post(&format!("/v1/runs/{id}/cancel"), ALPHA, json!({}))
+        .await;
+    assert_eq!(
+        (s, v["status"].as_str()),
+        (StatusCode::OK, Some("cancelled")),
+        "{v}"
+    );
+    let after_cancel = tool.polls();
+    // Polls come every 50–200 ms while a call waits; after the cancel none may start (one
+    // already on the wire when the cancel was applied is tolerated). Wait for one more than
+    // that, bounded: it must not come.
+    let more = tokio::time::timeout(
+        Duration::from_millis(1500),
+        tool.wait_polls(after_cancel + 2, Duration::from_secs(3)),
+    )
+    .await;
+    assert!(
+        more.is_err(),
+        "polls went on after the cancel: {} then {}",
+        after_cancel,
+        tool.polls()
+    );
+    assert!(tool.polls() <= after_cancel + 1);
+    // A result after the cancel is refused and changes nothing.
+    let path = path_of(call.callback_url.as_deref().unwrap());
+    let token = call.callback_token.unwrap();
+    let (s, v) = callback(&d, &path, Some(&token), json!({"ok": true, "data": "late"})).await;
+    assert_error(s, &v, StatusCode::CONFLICT, "invalid_state");
+    assert_eq!(v["error"]["status"], "cancelled");
+    let evs = events(&d, &id).await;
+    assert!(of_type(&evs, "tool_call_finished").is_empty(), "{evs:?}");
+    assert_eq!(
+        evs.iter().filter(|e| e["type"] == "run_cancelled").count(),
+        1
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_calls_own_deadline_gives_the_model_a_timeout() {
+    let tool = LongTool::start().await;
+    // A short deadline for accepted calls; the tool never finishes.
+    let mut c = config(&tool.url("/job"), "", "memory:");
+    c.tools.get_mut("long_job").unwrap().task_timeout = Some(Duration::from_millis(600));
+    let d = TestDaemon::start_config(c).await;
+    let id = d.create(ALPHA, "long").await;
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "timed out", "{run}");
+    let evs = events(&d, &id).await;
+    let finished = of_type(&evs, "tool_call_finished");
+    assert_eq!(finished.len(), 1, "{evs:?}");
+    assert_eq!(finished[0]["data"]["via"], "deadline");
+    assert_eq!(finished[0]["data"]["error"]["code"], "timeout");
+    let (_, messages) = d.get(&format!("/v1/runs/{id}/messages"), ALPHA).await;
+    assert!(messages.to_string().contains("timeout"), "{messages}");
+    // It was polled while it waited, and not after its deadline answered it.
+    assert!(tool.polls() >= 1);
+    d.stop().await;
+}
