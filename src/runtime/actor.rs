@@ -401,7 +401,11 @@ impl Actor for RunActor {
             }
             return Ok(());
         };
-        if let RunMsg::Event(RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }) = &msg
+        if let RunMsg::Event(
+            RunEvent::ToolFinished { .. }
+            | RunEvent::StatusChecked { .. }
+            | RunEvent::ToolAccepted { .. },
+        ) = &msg
         {
             live.tools_in_flight = live.tools_in_flight.saturating_sub(1);
         }

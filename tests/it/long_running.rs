@@ -324,3 +324,68 @@ async fn the_calls_own_deadline_gives_the_model_a_timeout() {
     assert!(tool.polls() >= 1);
     d.stop().await;
 }
+
+/// `agentd_live_runs` from `/metrics`.
+async fn live_runs(d: &TestDaemon) -> u64 {
+    let text = d
+        .http
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("agentd_live_runs "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap()
+}
+
+async fn wait_passivated(d: &TestDaemon) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while live_runs(d).await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run did not passivate"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_awaiting_run_passivates_and_is_woken_by_its_poll_timer_and_by_a_callback() {
+    let tool = LongTool::start().await;
+    let mut c = config(&tool.url("/job"), "", "memory:");
+    c.runtime.passivate_after = Duration::from_millis(100);
+    let t = c.tools.get_mut("long_job").unwrap();
+    t.poll_interval = Some(Duration::from_millis(600));
+    t.poll_max_interval = Some(Duration::from_millis(600));
+    let d = TestDaemon::start_config(c).await;
+    let id = d.create(ALPHA, "long").await;
+    let call = tool.wait_call(1, WAIT).await;
+    d.wait_run(ALPHA, &id, |v| v["phase"] == "awaiting_tool")
+        .await;
+    // Between polls the run gives up its actor ...
+    wait_passivated(&d).await;
+    let polls = tool.polls();
+    // ... and its next poll timer brings it back, again and again.
+    tool.wait_polls(polls + 2, WAIT).await;
+    wait_passivated(&d).await;
+    let (_, run) = d.get(&format!("/v1/runs/{id}"), ALPHA).await;
+    assert_eq!(run["phase"], "awaiting_tool", "{run}");
+    // A callback to the passivated run completes the call.
+    let path = path_of(call.callback_url.as_deref().unwrap());
+    let token = call.callback_token.unwrap();
+    let (s, v) = callback(
+        &d,
+        &path,
+        Some(&token),
+        json!({"ok": true, "data": "result-42"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "got 42", "{run}");
+    d.stop().await;
+}

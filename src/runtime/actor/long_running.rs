@@ -4,8 +4,11 @@
 //! The machine records the call as `awaiting_result` (status URL and deadline in the
 //! checkpoint) and asks for `Effect::PollTool`. Here each such call gets a timer: when it is
 //! due, one short pool job asks the status URL once (`ToolWork::Poll`). "Still running" and
-//! transient failures only re-arm the timer, with capped, jittered backoff (the tool's
-//! `poll_interval` growing by half each time up to `poll_max_interval`), and commit nothing;
+//! transient failures only re-arm the timer, with capped, jittered backoff, and commit
+//! nothing. The wait is half the call's age (time since the tool accepted it), at least the
+//! tool's `poll_interval` and at most its `poll_max_interval`, ±20 %: so waits grow by about
+//! half each poll, and since the age comes from the checkpoint, the backoff carries on across
+//! restarts and passivation;
 //! a final answer becomes `RunEvent::ToolPolled`. A second timer delivers
 //! `RunEvent::CallDeadline` at the call's deadline. Every timer and reply carries the epoch
 //! it was issued in, so cancelling the run (or resuming it) stops the old polls: a stale
@@ -38,8 +41,6 @@ pub(super) struct Polls {
 #[derive(Debug)]
 struct Slot {
     epoch: u64,
-    /// Polls answered "still running" (or failed transiently) so far.
-    attempt: u32,
     /// When the next poll is due (wall ms), while a timer is armed.
     due_at_ms: Option<u64>,
     in_flight: bool,
@@ -48,14 +49,17 @@ struct Slot {
 /// How long a poll waits for a lease that was not confirmed recently.
 const LEASE_RECHECK: Duration = Duration::from_millis(100);
 
-/// The wait before poll number `attempt + 1`: `poll_interval × 1.5^attempt`, at most
-/// `poll_max_interval`, with ±20 % jitter (still capped).
-pub(super) fn poll_delay(spec: &ToolSpec, attempt: u32) -> Duration {
-    let base = spec.poll_interval.as_secs_f64();
-    let cap = spec.poll_max_interval.max(spec.poll_interval).as_secs_f64();
-    let grown = (base * 1.5f64.powi(attempt.min(60) as i32)).min(cap);
-    let jittered = grown * (0.8 + 0.4 * rand::random::<f64>());
-    Duration::from_secs_f64(jittered.min(cap))
+/// The wait before the next poll of a call accepted `age` ago: half its age, at least
+/// `poll_interval`, at most `poll_max_interval`, with ±20 % jitter (still capped).
+pub(super) fn poll_delay(spec: &ToolSpec, age: Duration) -> Duration {
+    let cap = spec.poll_max_interval.max(spec.poll_interval);
+    let grown = (age / 2).clamp(spec.poll_interval, cap);
+    let jittered = grown.mul_f64(0.8 + 0.4 * rand::random::<f64>());
+    jittered.min(cap)
+}
+
+fn age_of(task: &crate::run::state::CallTask) -> Duration {
+    Duration::from_millis(now_ms().saturating_sub(task.accepted_at_ms))
 }
 
 /// `Effect::PollTool`: start polling `call_id` (once per epoch) and arm its deadline.
@@ -88,14 +92,13 @@ pub(super) fn start(
     });
     let mut slot = Slot {
         epoch,
-        attempt: 0,
         due_at_ms: None,
         in_flight: false,
     };
     if task.status_url.is_some() {
         let spec = live.agent.tools.tool(&call.tool).map(|t| t.spec().clone());
         let wait = first_in
-            .or_else(|| spec.as_ref().map(|s| poll_delay(s, 0)))
+            .or_else(|| spec.as_ref().map(|s| poll_delay(s, age_of(&task))))
             .unwrap_or_default();
         arm(myself, &mut slot, &call_id, wait);
     }
@@ -235,11 +238,15 @@ pub(super) fn on_polled(
         live.polls.slots.remove(&call_id);
         return;
     }
-    let Some(spec) = live
-        .run
-        .call(&call_id)
-        .and_then(|c| live.agent.tools.tool(&c.tool))
+    let Some(call) = live.run.call(&call_id) else {
+        return;
+    };
+    let Some((spec, task)) = live
+        .agent
+        .tools
+        .tool(&call.tool)
         .map(|t| t.spec().clone())
+        .zip(call.task.clone())
     else {
         return;
     };
@@ -249,9 +256,8 @@ pub(super) fn on_polled(
     if slot.epoch != epoch {
         return;
     }
-    slot.attempt += 1;
-    let wait = poll_delay(&spec, slot.attempt);
-    tracing::debug!(run = %live.run.id, %call_id, attempt = slot.attempt, ?wait, "long-running call still running");
+    let wait = poll_delay(&spec, age_of(&task));
+    tracing::debug!(run = %live.run.id, %call_id, ?wait, "long-running call still running");
     arm(myself, slot, &call_id, wait);
 }
 
@@ -293,11 +299,13 @@ mod tests {
             poll_max_interval: Duration::from_millis(1000),
             ..spec
         };
-        let first = poll_delay(&spec, 0);
+        let first = poll_delay(&spec, Duration::ZERO);
         assert!(first >= Duration::from_millis(80) && first <= Duration::from_millis(120));
-        for attempt in 0..100 {
-            assert!(poll_delay(&spec, attempt) <= Duration::from_millis(1000));
+        let mid = poll_delay(&spec, Duration::from_millis(1000));
+        assert!(mid >= Duration::from_millis(400) && mid <= Duration::from_millis(600));
+        for ms in (0..100_000).step_by(997) {
+            assert!(poll_delay(&spec, Duration::from_millis(ms)) <= Duration::from_millis(1000));
         }
-        assert!(poll_delay(&spec, 50) >= Duration::from_millis(800));
+        assert!(poll_delay(&spec, Duration::from_secs(3600)) >= Duration::from_millis(800));
     }
 }
