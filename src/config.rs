@@ -632,7 +632,8 @@ pub struct RuntimeSection {
     /// How long a control request waits for the run to apply it.
     #[serde(with = "crate::config_duration")]
     pub control_timeout: Duration,
-    /// A run waiting for approval or input this long gives up its actor; "0s" = never.
+    /// A run waiting for approval, input or long-running tool calls this long gives up its
+    /// actor; "0s" = never.
     #[serde(with = "crate::config_duration")]
     pub passivate_after: Duration,
     pub restart: RestartSection,
@@ -959,6 +960,11 @@ impl Config {
                 "must be longer than server.sse_keep_alive",
             ));
         }
+        if let Some(u) = &self.server.public_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            return Err(invalid("server.public_url", "must be an http(s) URL"));
+        }
         if self.server.max_connections == 0 {
             return Err(invalid("server.max_connections", "must be at least 1"));
         }
@@ -1167,6 +1173,15 @@ impl Config {
                     format!("{key}.max_attempts"),
                     format!("must be between 1 and {}", crate::tool::MAX_CALL_ATTEMPTS),
                 ));
+            }
+            for (k, d) in [
+                ("task_timeout", t.task_timeout),
+                ("poll_interval", t.poll_interval),
+                ("poll_max_interval", t.poll_max_interval),
+            ] {
+                if d.is_some_and(|d| d.is_zero()) {
+                    return Err(invalid(format!("{key}.{k}"), "must be more than 0s"));
+                }
             }
             if let Some(p) = &t.parameters {
                 jsonschema::draft202012::options().build(p).map_err(|e| {

@@ -60,8 +60,9 @@ pub struct RuntimeConfig {
     pub max_active_runs_per_tenant: Option<usize>,
     /// Largest goal (`input`) accepted, in bytes of JSON.
     pub max_input_bytes: usize,
-    /// A run waiting for approval or input this long gives up its actor (its state stays in
-    /// the store) and is rehydrated by its next message. `None`: never.
+    /// A run waiting for approval, input or long-running tool calls this long gives up its
+    /// actor (its state stays in the store) and is rehydrated by its next message or timer.
+    /// `None`: never.
     pub passivate_after: Option<Duration>,
     /// The callback route of long-running tools (`server.public_url` and the callback key);
     /// `None`: calls carry no callback and results arrive by polling only.

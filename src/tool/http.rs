@@ -9,7 +9,8 @@
 //! tool's URL) means the tool finishes the call later: the call notes it in
 //! `ctx.long_running` and the run polls `GET <status url>` (`Tool::poll`: `202` still running,
 //! other `2xx` the result, `408`/`429`/`5xx`/transport errors ask again, other `4xx` failed),
-//! or the tool posts the result to the callback route.
+//! or the tool posts the result to the callback route. The tool's bearer token is sent to a
+//! status URL only on the tool's own origin.
 //!
 //! Classification (the question is always "could the effect have been applied?"):
 //!
@@ -246,8 +247,16 @@ impl HttpTool {
         let url = reqwest::Url::parse(url).map_err(|e| {
             ToolError::new(ToolErrorCode::Failed, format!("invalid status URL: {e}"))
         })?;
-        let mut response = self
-            .authorized(self.client.get(url))
+        // The tool's bearer token goes only to the tool's own origin: a status URL elsewhere
+        // is asked without it.
+        let same_origin = url.origin() == self.url.origin();
+        let request = self.client.get(url);
+        let request = if same_origin {
+            self.authorized(request)
+        } else {
+            request
+        };
+        let mut response = request
             .timeout(self.spec.timeout)
             .header("Idempotency-Key", &ctx.idempotency_key)
             .header(TENANT_HEADER, &ctx.tenant)
