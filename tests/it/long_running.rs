@@ -389,3 +389,65 @@ async fn an_awaiting_run_passivates_and_is_woken_by_its_poll_timer_and_by_a_call
     assert_eq!(run["output"], "got 42", "{run}");
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_tool_reads_202_answers_and_classifies_polls() {
+    use agentd::ids::{CallId, RunId};
+    use agentd::tool::http::HttpTool;
+    use agentd::tool::{LongRunning, Tool, ToolContext, ToolErrorCode, ToolSpec};
+
+    let server = LongTool::start().await;
+    let spec =
+        ToolSpec::new("long_job", "d", json!({"type": "object"})).timeout(Duration::from_secs(2));
+    let ctx = || ToolContext {
+        tenant: "alpha".into(),
+        run_id: RunId::generate(),
+        call_id: CallId::new(1, 0),
+        idempotency_key: "k".into(),
+        cancel: tokio_util::sync::CancellationToken::new(),
+        long_running: LongRunning::default(),
+    };
+    // `Location` relative to the tool's URL; `status_url` in the body; neither.
+    for (path, want) in [
+        ("/job-location", Some(server.url("/status/1"))),
+        ("/job", Some(server.url("/status/2"))),
+        ("/job-callback", None),
+    ] {
+        let tool = HttpTool::new(spec.clone(), &server.url(path), None).unwrap();
+        let c = ctx();
+        assert_eq!(tool.call(&c, json!({})).await.unwrap(), Value::Null);
+        let accepted = c
+            .long_running
+            .accepted()
+            .expect("a 202 is noted as accepted");
+        assert_eq!(accepted.status_url, want, "{path}");
+    }
+    // Without a callback route, no callback headers are sent.
+    assert!(server.calls().iter().all(|c| c.callback_url.is_none()));
+
+    let tool = HttpTool::new(spec, &server.url("/job"), None).unwrap();
+    let status = server.url("/status/1");
+    assert_eq!(tool.poll(&ctx(), &status).await.unwrap(), None);
+    server.answer(PollAnswer::Done(json!({"value": 1})));
+    assert_eq!(
+        tool.poll(&ctx(), &status).await.unwrap(),
+        Some(json!({"value": 1}))
+    );
+    for (code, want) in [
+        (404, ToolErrorCode::Failed),
+        (422, ToolErrorCode::Failed),
+        (401, ToolErrorCode::Permission),
+        (429, ToolErrorCode::Retryable),
+        (503, ToolErrorCode::Retryable),
+    ] {
+        server.answer(PollAnswer::Fail(code, "nope".into()));
+        let e = tool.poll(&ctx(), &status).await.unwrap_err();
+        assert_eq!(e.code, want, "{code}");
+    }
+    // Unreachable: asked again later.
+    let e = tool
+        .poll(&ctx(), "http://127.0.0.1:1/status")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, ToolErrorCode::Retryable);
+}

@@ -46,6 +46,13 @@ struct Slot {
     in_flight: bool,
 }
 
+impl Polls {
+    /// Whether `call_id` is polled in `epoch` (its slot was not replaced by a later one).
+    fn is_current(&self, call_id: &CallId, epoch: u64) -> bool {
+        self.slots.get(call_id).is_some_and(|s| s.epoch == epoch)
+    }
+}
+
 /// How long a poll waits for a lease that was not confirmed recently.
 const LEASE_RECHECK: Duration = Duration::from_millis(100);
 
@@ -141,6 +148,10 @@ pub(super) fn on_due(
     epoch: u64,
     call_id: CallId,
 ) {
+    // A timer of an earlier epoch (before a resume) neither polls nor touches the new slot.
+    if !live.polls.is_current(&call_id, epoch) {
+        return;
+    }
     if !still_awaiting(live, epoch, &call_id) {
         live.polls.slots.remove(&call_id);
         return;
@@ -148,7 +159,7 @@ pub(super) fn on_due(
     let Some(slot) = live.polls.slots.get_mut(&call_id) else {
         return;
     };
-    if slot.epoch != epoch || slot.in_flight {
+    if slot.in_flight {
         return;
     }
     // A poll is read-only, but the run is not this node's to drive on an unconfirmed lease.
@@ -232,6 +243,9 @@ pub(super) fn on_polled(
             call_id,
             result,
         }));
+        return;
+    }
+    if !live.polls.is_current(&call_id, epoch) {
         return;
     }
     if !still_awaiting(live, epoch, &call_id) {
