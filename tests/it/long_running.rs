@@ -451,3 +451,50 @@ async fn the_http_tool_reads_202_answers_and_classifies_polls() {
         .unwrap_err();
     assert_eq!(e.code, ToolErrorCode::Retryable);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_through_another_node_completes_the_call() {
+    use crate::redis_support::{shared_redis_url, unique_ns};
+    let probe = redis::Client::open(shared_redis_url()).unwrap();
+    if probe.get_multiplexed_async_connection().await.is_err() {
+        crate::redis_support::skip_or_fail("no Redis at AGENTD_TEST_REDIS_URL");
+        return;
+    }
+    let tool = LongTool::start().await;
+    let store = format!("{}?ns={}", shared_redis_url(), unique_ns());
+    let node = |name: &str| {
+        let mut c = config(&tool.url("/job-callback"), "", &store);
+        c.runtime.node_id = Some(name.to_owned());
+        c
+    };
+    let a = TestDaemon::start_config(node("long-a")).await;
+    let b = TestDaemon::start_config(node("long-b")).await;
+    let id = a.create(ALPHA, "long").await;
+    let call = tool.wait_call(1, WAIT).await;
+    a.wait_run(ALPHA, &id, |v| v["phase"] == "awaiting_tool")
+        .await;
+    // The result goes to node b, which does not own the run: it is stored in the run's inbox
+    // and applied by its owner.
+    let path = path_of(call.callback_url.as_deref().unwrap());
+    let token = call.callback_token.unwrap();
+    let (s, v) = callback(
+        &b,
+        &path,
+        Some(&token),
+        json!({"ok": true, "data": "result-42"}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let run = b.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "got 42", "{run}");
+    let (s, v) = callback(
+        &a,
+        &path,
+        Some(&token),
+        json!({"ok": true, "data": "again"}),
+    )
+    .await;
+    assert_error(s, &v, StatusCode::CONFLICT, "invalid_state");
+    b.stop().await;
+    a.stop().await;
+}
