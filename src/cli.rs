@@ -388,13 +388,23 @@ pub enum RunsCommand {
         #[arg(long)]
         reason: Option<String>,
     },
-    /// Reject a pending tool call.
+    /// Reject a pending tool call (a held failing call is skipped; the model is told).
     Reject {
         /// The run (`run_…`).
         id: String,
         /// The call (`call_…`).
         call_id: String,
         /// Why (the model sees it).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// End the run `failed` at a pending call (e.g. a tool that keeps failing).
+    Fail {
+        /// The run (`run_…`).
+        id: String,
+        /// The call (`call_…`).
+        call_id: String,
+        /// Why (kept in the run's error).
         #[arg(long)]
         reason: Option<String>,
     },
@@ -444,13 +454,23 @@ pub enum ApprovalsCommand {
         #[arg(long)]
         reason: Option<String>,
     },
-    /// Reject one waiting call; the model is told it was rejected.
+    /// Reject one waiting call; the model is told it was rejected (or skipped).
     Reject {
         /// The run (`run_…`).
         run_id: String,
         /// The call (`call_…`).
         call_id: String,
         /// Why (the model sees it).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// End the run `failed` at one waiting call (e.g. a tool that keeps failing).
+    Fail {
+        /// The run (`run_…`).
+        run_id: String,
+        /// The call (`call_…`).
+        call_id: String,
+        /// Why (kept in the run's error).
         #[arg(long)]
         reason: Option<String>,
     },
@@ -611,6 +631,7 @@ fn print_approvals(list: &ApprovalListDto, output: Output) -> anyhow::Result<()>
     outln!("{t}")?;
     outln!("approve: agentd approvals approve RUN CALL [--arguments JSON]")?;
     outln!("reject:  agentd approvals reject RUN CALL --reason \"…\"")?;
+    outln!("fail:    agentd approvals fail RUN CALL --reason \"…\"  (ends the run failed)")?;
     if let Some(c) = &list.next_cursor {
         outln!("more: agentd approvals --cursor {c}")?;
     }
@@ -792,6 +813,14 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                     let body = json!({ "decision": "reject", "reason": reason });
                     decide(&c, &run_id, &call_id, &body, output).await
                 }
+                Some(ApprovalsCommand::Fail {
+                    run_id,
+                    call_id,
+                    reason,
+                }) => {
+                    let body = json!({ "decision": "fail", "reason": reason });
+                    decide(&c, &run_id, &call_id, &body, output).await
+                }
             }
         }
         Command::Runs(cmd) => {
@@ -890,6 +919,14 @@ pub async fn exec(cli: Cli) -> anyhow::Result<i32> {
                     reason,
                 } => {
                     let body = json!({ "decision": "reject", "reason": reason });
+                    decide(&c, &id, &call_id, &body, output).await
+                }
+                RunsCommand::Fail {
+                    id,
+                    call_id,
+                    reason,
+                } => {
+                    let body = json!({ "decision": "fail", "reason": reason });
                     decide(&c, &id, &call_id, &body, output).await
                 }
                 RunsCommand::Input { id, text } => {

@@ -441,6 +441,14 @@ pub struct ToolConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub poll_max_interval: Option<Duration>,
+    /// Calls of the tool failing in a row in one run (after those retries) before the run
+    /// waits for an operator with reason `tool_failing` (default 3; 0 = never).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_failures: Option<u32>,
+    /// A 401/403 answer: "fail" (the run fails `permission_denied`, the default) | "operator"
+    /// (the run waits for an operator, reason `permission_error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_permission_error: Option<crate::tool::OnPermissionError>,
     /// mcp (stdio): the server's command and arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
@@ -499,6 +507,8 @@ impl ToolConfig {
             task_timeout: None,
             poll_interval: None,
             poll_max_interval: None,
+            max_failures: None,
+            on_permission_error: None,
             command: None,
             args: Vec::new(),
             effects: BTreeMap::new(),

@@ -15,4 +15,6 @@ pub use machine::{
     ControlStep, Effect, InvalidTransition, Policy, RunEvent, StepContext, Transition,
     apply_control, step,
 };
-pub use state::{CallStatus, ControlRefusal, PendingCall, Phase, RunError, RunState, Status};
+pub use state::{
+    CallStatus, ControlRefusal, HoldReason, PendingCall, Phase, RunError, RunState, Status,
+};

@@ -234,14 +234,30 @@ pub enum AwaitingReason {
     Policy,
     /// A crash left the call's outcome unknown and the tool cannot be asked.
     OutcomeUnknown,
+    /// Calls of the tool failed `max_failures` times in a row in this run.
+    ToolFailing,
+    /// The tool refused the call (401/403) and its policy asks an operator.
+    PermissionError,
 }
 
 impl AwaitingReason {
-    /// The API's name (`policy`, `outcome_unknown`).
+    /// The API's name (`policy`, `outcome_unknown`, `tool_failing`, `permission_error`).
     pub fn as_str(self) -> &'static str {
         match self {
             AwaitingReason::Policy => "policy",
             AwaitingReason::OutcomeUnknown => "outcome_unknown",
+            AwaitingReason::ToolFailing => "tool_failing",
+            AwaitingReason::PermissionError => "permission_error",
+        }
+    }
+
+    /// Why the call `c` waits.
+    pub fn of(c: &crate::run::PendingCall) -> Self {
+        match (c.status, c.hold) {
+            (crate::run::CallStatus::OutcomeUnknown, _) => AwaitingReason::OutcomeUnknown,
+            (_, Some(crate::run::HoldReason::ToolFailing)) => AwaitingReason::ToolFailing,
+            (_, Some(crate::run::HoldReason::PermissionError)) => AwaitingReason::PermissionError,
+            (_, None) => AwaitingReason::Policy,
         }
     }
 }
@@ -701,8 +717,11 @@ impl RuntimeHandle {
             .store
             .list_runs(tenant, filter, cursor, limit)
             .await?;
-        // A run whose checkpoint does not decode is quarantined and left out; the rest of
-        // the page is served.
+        // A run whose record or checkpoint does not decode is quarantined and left out; the
+        // rest of the page is served.
+        for (id, reason) in &page.unreadable {
+            self.quarantine(id, format!("its stored record does not decode: {reason}"));
+        }
         let runs = page
             .items
             .iter()
@@ -779,12 +798,7 @@ impl RuntimeHandle {
                         call_id: c.call_id.clone(),
                         tool: c.tool.clone(),
                         arguments: c.arguments.clone(),
-                        reason: match c.status {
-                            crate::run::CallStatus::OutcomeUnknown => {
-                                AwaitingReason::OutcomeUnknown
-                            }
-                            _ => AwaitingReason::Policy,
-                        },
+                        reason: AwaitingReason::of(c),
                         requested_at_ms,
                         expires_at_ms: timeout
                             .map(|t| requested_at_ms.saturating_add(t.as_millis() as u64)),
@@ -1078,6 +1092,57 @@ impl RuntimeHandle {
         let control = Control::CallResult {
             call_id: call_id.clone(),
             result,
+        };
+        self.control(&run, control).await
+    }
+
+    /// An operator's decision `fail` on one call waiting for a decision: the run ends `failed`,
+    /// with a code saying why the call waited (`tool_failing`, `permission_denied`,
+    /// `outcome_unknown`, `approval_denied`). Repeating it answers the same; after an approve
+    /// or reject of the call it is a conflict.
+    pub async fn fail_call(
+        &self,
+        tenant: &str,
+        id: &RunId,
+        call_id: &CallId,
+        reason: Option<String>,
+        by: Option<String>,
+    ) -> Result<RunState, Error> {
+        let run = self.get_run(tenant, id).await?;
+        if run.failed_call.as_ref() == Some(call_id) {
+            return Ok(run);
+        }
+        if let Some((_, approved)) = run.decided.iter().find(|(c, _)| c == call_id) {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: format!(
+                    "call {call_id} was already {}",
+                    if *approved { "approved" } else { "rejected" }
+                ),
+            });
+        }
+        if run.is_terminal() {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: "the run has already ended".into(),
+            });
+        }
+        let Some(call) = run.call(call_id) else {
+            return Err(Error::UnknownCall(format!("no call {call_id} in this run")));
+        };
+        if !matches!(
+            call.status,
+            crate::run::CallStatus::AwaitingApproval | crate::run::CallStatus::OutcomeUnknown
+        ) {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: format!("call {call_id} is not awaiting approval"),
+            });
+        }
+        let control = Control::Fail {
+            call_id: call_id.clone(),
+            reason,
+            by,
         };
         self.control(&run, control).await
     }

@@ -92,6 +92,14 @@ pub enum Control {
         call_id: CallId,
         result: crate::tool::ToolResult,
     },
+    /// An operator's decision `fail` on a call waiting for one: end the run `failed`.
+    Fail {
+        call_id: CallId,
+        #[serde(default)]
+        reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
+    },
 }
 
 /// A stored control message with its position in the run's inbox (from 1, gap-free).
@@ -122,6 +130,9 @@ pub struct RunFilter {
 pub struct RunPage {
     pub items: Vec<Checkpoint>,
     pub next_cursor: Option<String>,
+    /// Runs the listing met whose stored record does not decode, with why: left out of
+    /// `items` (the rest of the page is served) for the caller to quarantine.
+    pub unreadable: Vec<(RunId, String)>,
 }
 
 impl RunPage {
@@ -135,7 +146,11 @@ impl RunPage {
         } else {
             None
         };
-        RunPage { items, next_cursor }
+        RunPage {
+            items,
+            next_cursor,
+            unreadable: Vec::new(),
+        }
     }
 }
 
@@ -355,7 +370,9 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// Runs not yet terminal, for recovery at start.
     async fn active_runs(&self) -> Result<Vec<RunId>>;
 
-    /// The tenant's runs, newest first.
+    /// The tenant's runs, newest first. A filtered listing reads only the runs its filter
+    /// selects, from an index per (tenant, status) and per (tenant, agent) that every store
+    /// keeps with its commits: its cost follows the page, not the tenant's history.
     async fn list_runs(
         &self,
         tenant: &str,

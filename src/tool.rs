@@ -96,6 +96,22 @@ pub enum ApprovalTimeoutAction {
     Approve,
 }
 
+/// What a 401/403 answer of a tool (error code `permission`) does to the run. Never retried.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnPermissionError {
+    /// The run ends `failed` with `permission_denied` (the default).
+    #[default]
+    Fail,
+    /// The run waits for an operator (`waiting_approval`, reason `permission_error`): approve
+    /// runs the call again, reject skips it (the model is told), fail ends the run.
+    Operator,
+}
+
+/// Calls of one tool failing in a row in one run before the run waits for an operator
+/// (`tool_failing`), unless the tool sets its own `max_failures`.
+pub const DEFAULT_MAX_FAILURES: u32 = 3;
+
 /// A tool's declared contract. The runtime enforces it whatever the model says.
 #[derive(Debug, Clone)]
 pub struct ToolSpec {
@@ -134,6 +150,12 @@ pub struct ToolSpec {
     /// jitter) up to `poll_max_interval`.
     pub poll_interval: Duration,
     pub poll_max_interval: Duration,
+    /// Calls of this tool (after the executor's retries) failing in a row in one run before
+    /// the run waits for an operator with reason `tool_failing`; 0 = never (the model hears of
+    /// every failure, and the no-progress rules apply).
+    pub max_failures: u32,
+    /// What a 401/403 answer does (see [`OnPermissionError`]).
+    pub on_permission_error: OnPermissionError,
 }
 
 /// The most attempts a tool may configure for one call.
@@ -161,6 +183,8 @@ impl ToolSpec {
             task_timeout: None,
             poll_interval: Duration::from_secs(1),
             poll_max_interval: Duration::from_secs(30),
+            max_failures: DEFAULT_MAX_FAILURES,
+            on_permission_error: OnPermissionError::Fail,
         }
     }
 
@@ -213,6 +237,17 @@ impl ToolSpec {
 
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = n.clamp(1, MAX_CALL_ATTEMPTS);
+        self
+    }
+
+    /// Failures in a row before an operator decides (0: never).
+    pub fn max_failures(mut self, n: u32) -> Self {
+        self.max_failures = n;
+        self
+    }
+
+    pub fn on_permission_error(mut self, action: OnPermissionError) -> Self {
+        self.on_permission_error = action;
         self
     }
 }
@@ -295,6 +330,9 @@ pub enum ToolErrorCode {
     PermissionDenied,
     /// An argument value is refused by the tool's deny or path rules; the call was not started.
     ArgumentDenied,
+    /// The call kept failing (or was refused for lack of permission) and an operator chose to
+    /// skip it: it is not run again.
+    Skipped,
 }
 
 impl ToolErrorCode {
@@ -311,6 +349,7 @@ impl ToolErrorCode {
             ToolErrorCode::Overloaded => "overloaded",
             ToolErrorCode::PermissionDenied => "permission_denied",
             ToolErrorCode::ArgumentDenied => "argument_denied",
+            ToolErrorCode::Skipped => "skipped",
         }
     }
 }

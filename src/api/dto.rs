@@ -53,6 +53,8 @@ pub struct CancelRequest {
 pub enum Decision {
     Approve,
     Reject,
+    /// End the run `failed` (e.g. a tool that keeps failing will not recover).
+    Fail,
 }
 
 /// `POST /v1/runs/{id}/approvals/{call_id}`.
@@ -120,7 +122,8 @@ pub struct PendingApprovalDto {
     pub call_id: String,
     pub tool: String,
     pub arguments: Value,
-    /// `approval` (the tool needs one) or `outcome_unknown` (a crash left it unknown).
+    /// `approval` (the tool needs one), `outcome_unknown` (a crash left it unknown),
+    /// `tool_failing` (the tool keeps failing) or `permission_error` (the tool refused it).
     pub reason: String,
 }
 
@@ -181,9 +184,10 @@ impl From<&RunState> for RunDto {
                     call_id: c.call_id.to_string(),
                     tool: c.tool.clone(),
                     arguments: c.arguments.clone(),
-                    reason: match c.status {
-                        CallStatus::OutcomeUnknown => "outcome_unknown",
-                        _ => "approval",
+                    reason: match (c.status, c.hold) {
+                        (CallStatus::OutcomeUnknown, _) => "outcome_unknown",
+                        (_, Some(h)) => h.as_str(),
+                        (_, None) => "approval",
                     }
                     .to_owned(),
                 })
@@ -424,8 +428,9 @@ pub struct ApprovalDto {
     pub agent: String,
     pub tool: String,
     pub arguments: Value,
-    /// `policy` (the tool's approval rule), `outcome_unknown` (a crash left it unknown) or
-    /// `tool_failing` (a tool that keeps failing waits for a decision).
+    /// `policy` (the tool's approval rule), `outcome_unknown` (a crash left it unknown),
+    /// `tool_failing` (a tool that keeps failing waits for a decision) or `permission_error`
+    /// (the tool refused the call with 401/403 and its policy asks an operator).
     pub reason: String,
     pub requested_at: String,
     /// When the tool's `approval_timeout` decides the call; `null`: it waits for ever.

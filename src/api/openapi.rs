@@ -117,7 +117,7 @@ fn base() -> Value {
                 "Decision": {
                     "type": "object", "required": ["decision"], "additionalProperties": false,
                     "properties": {
-                        "decision": { "enum": ["approve", "reject"] },
+                        "decision": { "enum": ["approve", "reject", "fail"], "description": "fail: end the run failed (code by why the call waits, e.g. tool_failing)." },
                         "reason": { "type": "string" },
                         "arguments": { "type": "object", "description": "Approve with edited arguments (validated again)." }
                     }
@@ -141,7 +141,7 @@ fn base() -> Value {
                             "max_tokens": { "type": "integer" }, "deadline": { "type": ["string", "null"], "format": "date-time" } } },
                         "pending_approvals": { "type": "array", "items": { "type": "object", "properties": {
                             "call_id": { "type": "string" }, "tool": { "type": "string" }, "arguments": {},
-                            "reason": { "enum": ["approval", "outcome_unknown"] } } } },
+                            "reason": { "enum": ["approval", "outcome_unknown", "tool_failing", "permission_error"] } } } },
                         "awaiting_input": { "type": ["string", "null"] },
                         "output": {},
                         "error": { "type": ["object", "null"], "properties": { "code": { "type": "string" }, "message": { "type": "string" } } },
@@ -162,7 +162,7 @@ fn base() -> Value {
                     "properties": {
                         "run_id": { "type": "string" }, "call_id": { "type": "string" },
                         "agent": { "type": "string" }, "tool": { "type": "string" }, "arguments": {},
-                        "reason": { "enum": ["policy", "outcome_unknown", "tool_failing"] },
+                        "reason": { "enum": ["policy", "outcome_unknown", "tool_failing", "permission_error"] },
                         "requested_at": { "type": "string", "format": "date-time" },
                         "expires_at": { "type": ["string", "null"], "format": "date-time", "description": "When the tool's approval_timeout decides the call; null: never." }
                     }

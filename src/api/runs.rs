@@ -407,8 +407,8 @@ pub async fn cancel(
     Ok(run_json(&s, &run))
 }
 
-/// `POST /v1/runs/{id}/approvals/{call_id}`: approve (optionally with edited arguments) or
-/// reject one pending call, once. The same decision again answers the same.
+/// `POST /v1/runs/{id}/approvals/{call_id}`: approve (optionally with edited arguments),
+/// reject, or fail the run at one pending call, once. The same decision again answers the same.
 pub async fn decide(
     State(s): State<AppState>,
     Extension(Tenant(tenant)): Extension<Tenant>,
@@ -444,25 +444,33 @@ pub async fn decide(
         }
     }
     let by = principal.name.as_deref().map(str::to_owned);
-    let run = s
-        .runtime
-        .decide(
-            &tenant,
-            &id,
-            &call_id,
-            approve,
-            req.arguments,
-            req.reason,
-            by,
-        )
-        .await
-        .map_err(|e| {
-            // A schema violation of edited arguments may quote them: scrub the message.
-            let mut api = ApiError::from(e);
-            api.message = s.runtime.redactor().redact_str(&api.message).into_owned();
-            api
-        })?;
-    tracing::info!(run_id = %id, call_id = %call_id, approve, "decision recorded");
+    let decided = match req.decision {
+        Decision::Fail => {
+            s.runtime
+                .fail_call(&tenant, &id, &call_id, req.reason, by)
+                .await
+        }
+        _ => {
+            s.runtime
+                .decide(
+                    &tenant,
+                    &id,
+                    &call_id,
+                    approve,
+                    req.arguments,
+                    req.reason,
+                    by,
+                )
+                .await
+        }
+    };
+    let run = decided.map_err(|e| {
+        // A schema violation of edited arguments may quote them: scrub the message.
+        let mut api = ApiError::from(e);
+        api.message = s.runtime.redactor().redact_str(&api.message).into_owned();
+        api
+    })?;
+    tracing::info!(run_id = %id, call_id = %call_id, decision = ?req.decision, "decision recorded");
     Ok(run_json(&s, &run))
 }
 

@@ -71,6 +71,14 @@ pub fn describe(e: &EventDto) -> Option<String> {
             Some("malformed") => format!("model reply unusable: {}", s("message")),
             _ => "model replied".to_owned(),
         },
+        "tool_call_finished" if d["held"].is_string() => format!(
+            "tool {} [{}] error {}: {}\nwaiting for an operator ({})",
+            s("tool"),
+            s("call_id"),
+            d["error"]["code"].as_str().unwrap_or("?"),
+            d["error"]["message"].as_str().unwrap_or(""),
+            s("held")
+        ),
         "tool_call_finished" => {
             if d["ok"].as_bool() == Some(true) {
                 format!("tool {} [{}] ok", s("tool"), s("call_id"))
@@ -92,6 +100,22 @@ pub fn describe(e: &EventDto) -> Option<String> {
         "verification_rejected" => "verifier rejected the answer; back to the model".to_owned(),
         "model_failed" => "model call failed; retrying".to_owned(),
         "model_retry" | "tool_retry" => "retrying".to_owned(),
+        "tool_retrying" => format!(
+            "tool {} [{}] attempt {} failed ({}: {}); retrying in {} ms",
+            s("tool"),
+            s("call_id"),
+            d["attempt"],
+            d["error"]["code"].as_str().unwrap_or("?"),
+            d["error"]["message"].as_str().unwrap_or(""),
+            d["wait_ms"]
+        ),
+        "model_retrying" => format!(
+            "model attempt {} failed ({}: {}); retrying in {} ms",
+            d["attempt"],
+            d["error"]["kind"].as_str().unwrap_or("?"),
+            d["error"]["message"].as_str().unwrap_or(""),
+            d["wait_ms"]
+        ),
         "call_reconciled" => format!("call {} reconciled", s("call_id")),
         "run_succeeded" => format!("succeeded\noutput: {}", compact(&d["output"])),
         "run_failed" => format!(
@@ -120,10 +144,11 @@ fn print_waiting(run: &RunDto, output: Output, stopping: bool) -> std::io::Resul
             p.tool,
             compact(&p.arguments),
             p.call_id,
-            if p.reason == "outcome_unknown" {
-                " — its outcome is unknown after a crash"
-            } else {
-                ""
+            match p.reason.as_str() {
+                "outcome_unknown" => " — its outcome is unknown after a crash",
+                "tool_failing" => " — its tool keeps failing (approve: retry; reject: skip)",
+                "permission_error" => " — its tool refused it (401/403)",
+                _ => "",
             }
         )?;
         outln!("    approve: agentd runs approve {} {}", run.id, p.call_id)?;
@@ -132,6 +157,9 @@ fn print_waiting(run: &RunDto, output: Output, stopping: bool) -> std::io::Resul
             run.id,
             p.call_id
         )?;
+        if p.reason == "tool_failing" || p.reason == "permission_error" {
+            outln!("    fail:    agentd runs fail {} {}", run.id, p.call_id)?;
+        }
     }
     if let Some(q) = &run.awaiting_input {
         outln!("  waiting for input: {q}")?;

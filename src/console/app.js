@@ -291,7 +291,14 @@ async function runPage(id) {
   }, signal, (on) => { live.className = on ? 'muted live' : 'muted'; live.textContent = on ? 'live' : ''; });
 }
 
-/// Buttons for what the run allows now: approve/reject (with editable arguments), input, cancel.
+/// The note shown with a waiting call, by why it waits.
+const WAIT_NOTES = {
+  outcome_unknown: ' — outcome unknown after a crash',
+  tool_failing: ' — its tool keeps failing (approve: retry, reject: skip)',
+  permission_error: ' — its tool refused it (401/403)',
+};
+
+/// Buttons for what the run allows now: approve/reject/fail (with editable arguments), input, cancel.
 function controls(run, refresh) {
   const out = [];
   const path = `/v1/runs/${encodeURIComponent(run.id)}`;
@@ -312,11 +319,12 @@ function controls(run, refresh) {
         try { await api('POST', `${path}/approvals/${encodeURIComponent(p.call_id)}`, body); await refresh(); } catch (e) { flash(msg, e); }
       };
       out.push(h('div', { class: 'card approval', 'data-call': p.call_id },
-        h('h2', {}, `Waiting for approval: ${p.tool} [${p.call_id}]`, p.reason === 'outcome_unknown' ? h('span', { class: 'error' }, ' — outcome unknown after a crash') : ''),
+        h('h2', {}, `Waiting for approval: ${p.tool} [${p.call_id}]`, WAIT_NOTES[p.reason] ? h('span', { class: 'error' }, WAIT_NOTES[p.reason]) : ''),
         args,
         h('div', { class: 'row' },
           h('button', { class: 'primary approve', onclick: () => decide('approve') }, 'Approve'),
           h('button', { class: 'danger reject', onclick: () => decide('reject') }, 'Reject'),
+          h('button', { class: 'danger fail', onclick: () => decide('fail') }, 'Fail run'),
           reason, msg)));
     }
   }

@@ -161,6 +161,12 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> Result<ToolSpec, Bui
     if let Some(d) = t.poll_max_interval {
         spec.poll_max_interval = d;
     }
+    if let Some(n) = t.max_failures {
+        spec.max_failures = n;
+    }
+    if let Some(a) = t.on_permission_error {
+        spec.on_permission_error = a;
+    }
     Ok(spec)
 }
 
@@ -304,6 +310,12 @@ async fn register_mcp(
         }
         if let Some(n) = t.max_attempts {
             spec.max_attempts = n;
+        }
+        if let Some(n) = t.max_failures {
+            spec.max_failures = n;
+        }
+        if let Some(a) = t.on_permission_error {
+            spec.on_permission_error = a;
         }
         names.push(spec.name.clone());
         let inner: Arc<dyn Tool> = tool;

@@ -3,7 +3,8 @@
 //! so a job over the rate waits in the bounded queue instead of being dropped. Provider faults
 //! are retried here, honouring `Retry-After`, with capped jittered backoff, up to
 //! `max_attempts` and within `retry_window` from the first failure: what reaches a run is final
-//! for that turn. Every failed attempt is logged at WARN with the run id.
+//! for that turn. Every failed attempt is logged at WARN with the run id, and each retry is
+//! reported to the run (`ModelRetryNotice`) before its wait, so it is an event on the run.
 //!
 //! Fairness between tenants: requests are admitted to the pool's workers through per-tenant
 //! queues served round-robin (`Fair`), and optionally capped per tenant
@@ -94,11 +95,24 @@ struct Shared {
     stats: Arc<GatewayStats>,
 }
 
+/// One failed model attempt the gateway is about to try again: the attempt (from 1), its
+/// error and the wait before the next attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelRetryNotice {
+    pub attempt: u32,
+    pub error: ModelError,
+    pub wait: Duration,
+}
+
+/// Where retry notices of one request go.
+pub type OnModelRetry = Box<dyn Fn(ModelRetryNotice) + Send + Sync>;
+
 /// One model request in the pool.
 pub struct ModelJob {
     shared: Arc<Shared>,
     request: ModelRequest,
     cancel: CancellationToken,
+    on_retry: Option<OnModelRetry>,
     reply: ReplyOnce<Result<ModelReply, ModelError>>,
     /// Holds one worker slot of the tenant in `Fair`; released when the job is dropped.
     ticket: Option<Ticket>,
@@ -324,10 +338,22 @@ impl ModelGateway {
         cancel: CancellationToken,
         reply: impl FnOnce(Result<ModelReply, ModelError>) + Send + Sync + 'static,
     ) {
+        self.submit_observed(request, cancel, None, reply);
+    }
+
+    /// Like `submit`; `on_retry` hears of every retry of the request before its wait.
+    pub fn submit_observed(
+        &self,
+        request: ModelRequest,
+        cancel: CancellationToken,
+        on_retry: Option<OnModelRetry>,
+        reply: impl FnOnce(Result<ModelReply, ModelError>) + Send + Sync + 'static,
+    ) {
         self.fair.submit(ModelJob {
             shared: self.shared.clone(),
             request,
             cancel,
+            on_retry,
             reply: ReplyOnce::new(reply),
             ticket: None,
         });
@@ -380,6 +406,7 @@ async fn call_with_retries(
     shared: &Shared,
     provider: &dyn ModelProvider,
     request: &ModelRequest,
+    on_retry: Option<&OnModelRetry>,
 ) -> Result<ModelReply, ModelError> {
     let config = &shared.config;
     let stats = &shared.stats;
@@ -431,6 +458,13 @@ async fn call_with_retries(
             Retry::Again => {
                 stats.retries.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(run_id = %request.run_id, model = %request.model, attempt, ?wait, error = %e.error, "model attempt failed; retrying");
+                if let Some(notify) = on_retry {
+                    notify(ModelRetryNotice {
+                        attempt,
+                        error: e.error.clone(),
+                        wait,
+                    });
+                }
                 tokio::time::sleep(wait).await;
             }
             Retry::GiveUp(why) => {
@@ -485,7 +519,7 @@ impl PoolJob for ModelJob {
             return;
         };
         let outcome = tokio::select! {
-            r = call_with_retries(&self.shared, provider.as_ref(), &self.request) => r,
+            r = call_with_retries(&self.shared, provider.as_ref(), &self.request, self.on_retry.as_ref()) => r,
             // The run no longer waits (cancelled or ended): free the worker at once.
             _ = self.cancel.cancelled() => return,
         };

@@ -13,11 +13,24 @@
 //! ran out (or a batch would pass the tool-call budget, whose calls are then answered "not
 //! run"), the next turn is the **reserve**: one model call without tools, after which the run
 //! ends `failed` (`budget_exceeded`) with that reply's answer as its `output`; with the
-//! deadline passed or the reserve spent, `failed` (`budget_exceeded`) at once. "advance batch" = if any call awaits an operator → `waiting_approval`;
-//! else dispatch `ready` calls (`ExecuteTool`) → `running/executing_tools`; else wait for
-//! in-flight calls (`executing_tools`, `reconciling`, then `awaiting_tool` while only calls
-//! accepted by their tool wait for a result); else (all done) append the tool messages, run no-progress detection
-//! (continue, nudge, force final, or `failed`/`no_progress`) and take the next turn.
+//! deadline passed or the reserve spent, `failed` (`budget_exceeded`) at once. "advance batch" = if any call awaits an operator → wait for
+//! the calls still in flight, then `waiting_approval`; else dispatch `ready` calls
+//! (`ExecuteTool`) → `running/executing_tools`; else wait for in-flight calls
+//! (`executing_tools`, `reconciling`, then `awaiting_tool` while only calls accepted by their
+//! tool wait for a result); else (all done)
+//! append the tool messages, run no-progress detection (continue, nudge, force final, or
+//! `failed`/`no_progress`) and take the next turn.
+//!
+//! "judge the result" = a final result of a call that ran: a success clears its tool's failure
+//! count; a `permission` error (401/403) ends the run `failed` (`permission_denied`), or — with
+//! the tool's `on_permission_error = "operator"` — **holds** the call (reason
+//! `permission_error`); a `retryable`, `failed`, `timeout` or `outcome_unknown` error counts
+//! one more failure of the tool in a row, and the tool's `max_failures`-th (default 3; 0 =
+//! never) holds the call (reason `tool_failing`) and resets the no-progress failure and stale
+//! streaks (the operator's decision replaces that escalation); anything else answers the
+//! model. A held call is `awaiting_approval` with its last result kept: approve runs it again
+//! (same key), reject answers the model `skipped` (and the tool's failure count starts over),
+//! fail ends the run; its approval expiry is its tool's, as for any approval.
 //!
 //! | from | event | to | effects | event type |
 //! |---|---|---|---|---|
@@ -33,7 +46,9 @@
 //! | running/awaiting_model | ModelFailed: context_length_exceeded | same (context rebuilt smaller, once), or failed (`context_length_exceeded`) | CallModel | model_failed |
 //! | running/awaiting_model | ModelFailed: other (the gateway gave up) | failed (`model_unavailable`, `model_rejected`) | AbortInFlight, Finish | run_failed |
 //! | running/awaiting_model | RetryDue | same | CallModel | model_retry |
-//! | running/executing_tools | ToolFinished | advance batch (unknown outcome: resend, reconcile or park) | … | tool_call_finished |
+//! | running/executing_tools | ToolFinished | judge the result, then advance batch (unknown outcome: resend, reconcile or park; held: `waiting_approval`; permission error: failed `permission_denied`) | … | tool_call_finished |
+//! | running/executing_tools | ToolRetrying (the executor retries the dispatched call) | same | — | tool_retrying |
+//! | running/awaiting_model | ModelRetrying (the gateway retries the request) | same | — | model_retrying |
 //! | running/executing_tools | RetryDue | advance batch | ExecuteTool… | tool_retry |
 //! | running/reconciling | StatusChecked | advance batch | … | call_reconciled |
 //! | running/executing_tools | ToolAccepted (call dispatched) | advance batch, the call `awaiting_result` (status URL, deadline = now + `timeout_ms`); nothing else in flight → running/awaiting_tool | PollTool, … | tool_call_accepted |
@@ -43,8 +58,9 @@
 //! | * | CallbackResult for a call that already has its result (`apply_control`) | same, the control consumed | — | late_result_ignored |
 //! | running/verifying | VerificationDone: ok | succeeded | Finish | run_succeeded |
 //! | running/verifying | VerificationDone: rejected | next turn, or failed (`verification_failed`) | CallModel | verification_rejected |
-//! | waiting_approval | Approve | advance batch | ExecuteTool… | call_approved |
-//! | waiting_approval | Reject | advance batch | … | call_rejected |
+//! | waiting_approval | Approve | advance batch (a held call runs again) | ExecuteTool… | call_approved |
+//! | waiting_approval | Reject | advance batch (a held call is answered `skipped`) | … | call_rejected |
+//! | waiting_approval | Fail (operator decision `fail`) | failed (`tool_failing`, `permission_denied`, `outcome_unknown` or `approval_denied`, by why the call waited) | AbortInFlight, Finish | run_failed |
 //! | waiting_approval | ApprovalExpired (call still awaiting) | advance batch, the call approved or rejected by its tool's `on_approval_timeout` | ExecuteTool… | approval_expired |
 //! | waiting_input | Input | next turn | CallModel | input_received |
 //! | running, waiting_* | Resume | re-issue in-flight work by tool policy; accepted calls are polled again, never resent | CallModel / ExecuteTool / CheckStatus / PollTool / Verify | run_resumed |
@@ -67,14 +83,17 @@ use super::decision::{Decision, decide};
 use super::guard::{Guard, OnPermissionDenied};
 use super::progress::{CallOutcome, ProgressPolicy, Verdict};
 use super::state::{
-    CallStatus, CallTask, ControlRefusal, MAX_CONTROL_REFUSALS, PendingCall, Phase, RunError,
-    RunState, Status,
+    CallStatus, CallTask, ControlRefusal, HoldReason, MAX_CONTROL_REFUSALS, PendingCall, Phase,
+    RunError, RunState, Status,
 };
 use crate::idempotency::{call_fingerprint, idempotency_key};
 use crate::ids::CallId;
 use crate::model::{Message, ModelError, ModelErrorKind, ModelReply, ToolChoice};
 use crate::store::Control;
-use crate::tool::{ApprovalTimeoutAction, ToolEffect, ToolError, ToolErrorCode, ToolResult};
+use crate::tool::{
+    ApprovalTimeoutAction, DEFAULT_MAX_FAILURES, OnPermissionError, ToolEffect, ToolError,
+    ToolErrorCode, ToolResult,
+};
 
 /// What happens to a run. Pool replies and timers carry the epoch they were issued with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -93,6 +112,25 @@ pub enum RunEvent {
     },
     RetryDue {
         epoch: u64,
+    },
+    /// The model gateway is about to try the request again after a failed attempt (its own
+    /// retries, reported so the run's record shows why it is slow). Changes nothing else.
+    ModelRetrying {
+        epoch: u64,
+        /// The attempt that failed (from 1).
+        attempt: u32,
+        error: ModelError,
+        /// How long the gateway waits before the next attempt.
+        wait_ms: u64,
+    },
+    /// The tool executor is about to send `call_id` again (same key) after a transient failure.
+    /// Changes nothing else: the model never hears of a retried call that then succeeds.
+    ToolRetrying {
+        epoch: u64,
+        call_id: CallId,
+        attempt: u32,
+        error: ToolError,
+        wait_ms: u64,
     },
     ToolFinished {
         epoch: u64,
@@ -126,6 +164,13 @@ pub enum RunEvent {
     },
     Input {
         text: String,
+    },
+    /// An operator's decision `fail` on a call waiting for one: the run ends `failed`.
+    Fail {
+        call_id: CallId,
+        reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        by: Option<String>,
     },
     DeadlineReached,
     /// The approval timer of `call_id` fired (armed by the actor from the tool's
@@ -175,6 +220,8 @@ impl RunEvent {
             RunEvent::ModelReplied { .. } => "model_replied",
             RunEvent::ModelFailed { .. } => "model_failed",
             RunEvent::RetryDue { .. } => "retry_due",
+            RunEvent::ModelRetrying { .. } => "model_retrying",
+            RunEvent::ToolRetrying { .. } => "tool_retrying",
             RunEvent::ToolFinished { .. } => "tool_finished",
             RunEvent::StatusChecked { .. } => "status_checked",
             RunEvent::VerificationDone { .. } => "verification_done",
@@ -182,6 +229,7 @@ impl RunEvent {
             RunEvent::Approve { .. } => "approve",
             RunEvent::Reject { .. } => "reject",
             RunEvent::Input { .. } => "input",
+            RunEvent::Fail { .. } => "fail",
             RunEvent::DeadlineReached => "deadline_reached",
             RunEvent::ApprovalExpired { .. } => "approval_expired",
             RunEvent::Abort { .. } => "abort",
@@ -199,6 +247,8 @@ impl RunEvent {
             RunEvent::ModelReplied { .. }
                 | RunEvent::ModelFailed { .. }
                 | RunEvent::RetryDue { .. }
+                | RunEvent::ModelRetrying { .. }
+                | RunEvent::ToolRetrying { .. }
                 | RunEvent::ToolFinished { .. }
                 | RunEvent::StatusChecked { .. }
                 | RunEvent::VerificationDone { .. }
@@ -235,6 +285,15 @@ impl From<Control> for RunEvent {
             },
             Control::Input { text } => RunEvent::Input { text },
             Control::CallResult { call_id, result } => RunEvent::CallbackResult { call_id, result },
+            Control::Fail {
+                call_id,
+                reason,
+                by,
+            } => RunEvent::Fail {
+                call_id,
+                reason,
+                by,
+            },
         }
     }
 }
@@ -342,6 +401,17 @@ pub trait ToolCatalog {
     fn guard(&self, name: &str) -> Option<&Guard> {
         let _ = name;
         None
+    }
+    /// Calls of `name` failing in a row (in one run) before the run waits for an operator
+    /// with reason `tool_failing`; 0 = never.
+    fn max_failures(&self, name: &str) -> u32 {
+        let _ = name;
+        DEFAULT_MAX_FAILURES
+    }
+    /// What a 401/403 answer of `name` does (default: the run fails `permission_denied`).
+    fn on_permission_error(&self, name: &str) -> OnPermissionError {
+        let _ = name;
+        OnPermissionError::Fail
     }
 }
 
@@ -531,6 +601,7 @@ fn is_repeat(state: &RunState, control: &Control) -> bool {
         Control::Cancel { .. } => state.status == Status::Cancelled,
         Control::Approve { call_id, .. } => state.decided.contains(&(call_id.clone(), true)),
         Control::Reject { call_id, .. } => state.decided.contains(&(call_id.clone(), false)),
+        Control::Fail { call_id, .. } => state.failed_call.as_ref() == Some(call_id),
         Control::Input { .. } | Control::CallResult { .. } => false,
     }
 }
@@ -571,7 +642,12 @@ fn ignored(event: &RunEvent, reason: &str) -> Transition {
             data.insert("epoch".into(), json!(epoch));
             data.insert("ok".into(), json!(result.ok));
         }
+        RunEvent::ToolRetrying { epoch, call_id, .. } => {
+            data.insert("call_id".into(), json!(call_id));
+            data.insert("epoch".into(), json!(epoch));
+        }
         RunEvent::ModelReplied { epoch, .. }
+        | RunEvent::ModelRetrying { epoch, .. }
         | RunEvent::ModelFailed { epoch, .. }
         | RunEvent::RetryDue { epoch }
         | RunEvent::StatusChecked { epoch, .. }
@@ -690,6 +766,49 @@ fn dispatch(
                 }],
             ))
         }
+        (
+            Status::Running,
+            E::ModelRetrying {
+                epoch,
+                attempt,
+                error,
+                wait_ms,
+            },
+        ) if phase == Some(Phase::AwaitingModel) && epoch == s.epoch => Ok(out(
+            "model_retrying",
+            json!({
+                "attempt": attempt,
+                "error": { "kind": error.kind, "message": bounded(&error.message) },
+                "wait_ms": wait_ms,
+            }),
+            vec![],
+        )),
+        (
+            Status::Running,
+            E::ToolRetrying {
+                epoch,
+                call_id,
+                attempt,
+                error,
+                wait_ms,
+            },
+        ) if phase == Some(Phase::ExecutingTools)
+            && epoch == s.epoch
+            && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Dispatched) =>
+        {
+            let tool = s.call(&call_id).map(|c| c.tool.clone());
+            Ok(out(
+                "tool_retrying",
+                json!({
+                    "call_id": call_id,
+                    "tool": tool,
+                    "attempt": attempt,
+                    "error": { "code": error.code, "message": bounded(&error.message) },
+                    "wait_ms": wait_ms,
+                }),
+                vec![],
+            ))
+        }
         (Status::Running, E::RetryDue { epoch })
             if phase == Some(Phase::ExecutingTools) && epoch == s.epoch =>
         {
@@ -767,6 +886,14 @@ fn dispatch(
                 by,
             },
         ) => reject(s, call_id, reason, by, cx),
+        (
+            Status::WaitingApproval,
+            E::Fail {
+                call_id,
+                reason,
+                by,
+            },
+        ) => fail_call(s, call_id, reason, by),
         (Status::WaitingApproval, E::ApprovalExpired { call_id })
             if s.call(&call_id).map(|c| c.status) == Some(CallStatus::AwaitingApproval) =>
         {
@@ -1271,12 +1398,24 @@ fn validate_call(
         attempts: 0,
         result,
         task: None,
+        hold: None,
     }
 }
 
 /// Moves the current batch forward; see "advance batch" in the module doc.
 fn advance_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
     if s.pending_approvals().next().is_some() {
+        // Calls still in flight are answered first (their replies need `running`).
+        if s.calls.iter().any(|c| c.status == CallStatus::Dispatched) {
+            s.status = Status::Running;
+            s.phase = Some(Phase::ExecutingTools);
+            return vec![];
+        }
+        if s.calls.iter().any(|c| c.status == CallStatus::Reconciling) {
+            s.status = Status::Running;
+            s.phase = Some(Phase::Reconciling);
+            return vec![];
+        }
         s.status = Status::WaitingApproval;
         s.phase = None;
         return vec![];
@@ -1498,6 +1637,8 @@ fn on_tool_finished(
     }
     let code = result.error_code();
     let retries_left = c.attempts <= max_retries;
+    // The result that answers the call, once it is final.
+    let mut settled = None;
     match code {
         Some(ToolErrorCode::Overloaded) if retries_left => {
             // Not started: send again later with the same key.
@@ -1515,10 +1656,7 @@ fn on_tool_finished(
         {
             match (c.effect, c.reconcilable) {
                 (ToolEffect::Idempotent, _) if retries_left => c.status = CallStatus::Ready,
-                (ToolEffect::Idempotent, _) => {
-                    c.status = CallStatus::Done;
-                    c.result = Some(result);
-                }
+                (ToolEffect::Idempotent, _) => settled = Some(result),
                 (_, true) => {
                     c.status = CallStatus::Reconciling;
                     effects.push(Effect::CheckStatus {
@@ -1529,15 +1667,133 @@ fn on_tool_finished(
                 _ => c.status = CallStatus::OutcomeUnknown,
             }
         }
-        _ => {
-            c.status = CallStatus::Done;
-            c.result = Some(result);
+        _ => settled = Some(result),
+    }
+    if let Some(result) = settled {
+        let tool = c.tool.clone();
+        match judge_result(s, &tool, &result, cx) {
+            Judged::Answer => settle(s, &call_id, result, None, cx.now_ms),
+            Judged::Hold(reason, failures) => {
+                if let Value::Object(m) = &mut data {
+                    m.insert("held".into(), json!(reason.as_str()));
+                    if let Some(n) = failures {
+                        m.insert("failures".into(), json!(n));
+                    }
+                }
+                settle(s, &call_id, result, Some(reason), cx.now_ms);
+            }
+            Judged::Stop(error) => {
+                settle(s, &call_id, result, None, cx.now_ms);
+                let effects = fail(s, error);
+                return out("tool_call_finished", data, effects);
+            }
         }
     }
     effects.extend(advance_batch(s, cx));
     let mut t = out("tool_call_finished", data, effects);
     add_dispatched(s, &mut t);
     t
+}
+
+/// What the final result of a call that ran does to the run.
+enum Judged {
+    /// The model gets it.
+    Answer,
+    /// An operator decides first (with the tool's failures in a row, for `tool_failing`).
+    Hold(HoldReason, Option<u32>),
+    /// The run ends.
+    Stop(RunError),
+}
+
+/// Whether an error says the tool is failing (as opposed to the model asking for something
+/// wrong, or the runtime refusing the call before it ran).
+fn counts_as_tool_failure(code: ToolErrorCode) -> bool {
+    matches!(
+        code,
+        ToolErrorCode::Retryable
+            | ToolErrorCode::Failed
+            | ToolErrorCode::Timeout
+            | ToolErrorCode::OutcomeUnknown
+    )
+}
+
+/// Tracks the tool's failures in a row and applies its permission-error policy.
+fn judge_result(s: &mut RunState, tool: &str, result: &ToolResult, cx: &StepContext<'_>) -> Judged {
+    let Some(code) = result.error_code() else {
+        s.tool_failures.retain(|(t, _)| t != tool);
+        return Judged::Answer;
+    };
+    if code == ToolErrorCode::Permission {
+        // 401/403: never retried, never counted as the tool failing.
+        return match cx.tools.on_permission_error(tool) {
+            OnPermissionError::Operator => Judged::Hold(HoldReason::PermissionError, None),
+            OnPermissionError::Fail => Judged::Stop(RunError::new(
+                "permission_denied",
+                format!(
+                    "the tool `{tool}` refused the call for lack of permission: {}",
+                    result.error.as_ref().map_or("", |e| e.message.as_str())
+                ),
+            )),
+        };
+    }
+    if !counts_as_tool_failure(code) {
+        return Judged::Answer;
+    }
+    let limit = cx.tools.max_failures(tool);
+    let n = match s.tool_failures.iter_mut().find(|(t, _)| t == tool) {
+        Some((_, n)) => {
+            *n += 1;
+            *n
+        }
+        None => {
+            s.tool_failures.push((tool.to_owned(), 1));
+            1
+        }
+    };
+    if limit == 0 || n < limit {
+        return Judged::Answer;
+    }
+    // An operator decides now: that replaces the no-progress escalation for these failures.
+    s.progress.failure_streak = 0;
+    s.progress.stale_turns = 0;
+    Judged::Hold(HoldReason::ToolFailing, Some(n))
+}
+
+/// Gives the call its final result, or holds it (with that result) for an operator, waiting
+/// from `since_ms`.
+fn settle(
+    s: &mut RunState,
+    call_id: &CallId,
+    result: ToolResult,
+    hold: Option<HoldReason>,
+    since_ms: u64,
+) {
+    if let Some(c) = s.calls.iter_mut().find(|c| &c.call_id == call_id) {
+        c.result = Some(result);
+        c.hold = hold;
+        if hold.is_some() {
+            c.status = CallStatus::AwaitingApproval;
+            // Destructured: the purity check would read `c` dot `awaiting…` as an await.
+            let PendingCall {
+                awaiting_since_ms, ..
+            } = c;
+            *awaiting_since_ms = Some(since_ms);
+        } else {
+            c.status = CallStatus::Done;
+        }
+    }
+}
+
+/// An error message as an event carries it: at most 500 characters.
+fn bounded(message: &str) -> String {
+    const MAX: usize = 500;
+    if message.chars().count() <= MAX {
+        message.to_owned()
+    } else {
+        let mut cut: String = message.chars().take(MAX).collect();
+        cut.push('…');
+        cut
+    }
 }
 
 fn on_verified(s: &mut RunState, verdict: Result<(), String>, cx: &StepContext<'_>) -> Transition {
@@ -1639,21 +1895,27 @@ fn approve(
         .position(|c| c.call_id == call_id)
         .unwrap_or(0);
     let edited = arguments.is_some();
+    let mut held = None;
     if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
         if let Some(args) = arguments {
             c.key = idempotency_key(&run, turn, index, &c.tool, &args);
             c.fingerprint = call_fingerprint(&c.tool, &args);
             c.arguments = args;
         }
+        // A held call runs again (its key unchanged unless the arguments were edited).
+        held = c.hold.take();
+        if held.is_some() {
+            c.result = None;
+        }
         c.status = CallStatus::Ready;
     }
     s.decided.push((call_id.clone(), true));
     let effects = advance_batch(s, cx);
-    let mut t = out(
-        "call_approved",
-        json!({ "call_id": call_id, "edited": edited, "by": by }),
-        effects,
-    );
+    let mut data = json!({ "call_id": call_id, "edited": edited, "by": by });
+    if let (Value::Object(m), Some(h)) = (&mut data, held) {
+        m.insert("held".into(), json!(h.as_str()));
+    }
+    let mut t = out("call_approved", data, effects);
     add_dispatched(s, &mut t);
     Ok(t)
 }
@@ -1673,6 +1935,7 @@ fn reject(
         ));
     };
     let error = match c.status {
+        CallStatus::AwaitingApproval if c.hold.is_some() => skipped(s, c, reason.as_deref()),
         CallStatus::AwaitingApproval => ToolError::new(
             ToolErrorCode::ApprovalDenied,
             reason
@@ -1691,46 +1954,152 @@ fn reject(
             ));
         }
     };
-    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
-        c.status = CallStatus::Done;
-        c.result = Some(ToolResult::failure(error));
-    }
+    let held = skip_held(s, &call_id, error);
     s.decided.push((call_id.clone(), false));
     let effects = advance_batch(s, cx);
-    let mut t = out(
-        "call_rejected",
-        json!({ "call_id": call_id, "reason": reason, "by": by }),
-        effects,
-    );
+    let mut data = json!({ "call_id": call_id, "reason": reason, "by": by });
+    if let (Value::Object(m), Some(h)) = (&mut data, held) {
+        m.insert("held".into(), json!(h.as_str()));
+    }
+    let mut t = out("call_rejected", data, effects);
     add_dispatched(s, &mut t);
     Ok(t)
+}
+
+/// The tool error the model gets for a held call an operator skipped.
+fn skipped(s: &RunState, c: &PendingCall, reason: Option<&str>) -> ToolError {
+    let last = c
+        .result
+        .as_ref()
+        .and_then(|r| r.error.as_ref())
+        .map(|e| format!(" (last error: {}: {})", e.code.as_str(), e.message))
+        .unwrap_or_default();
+    let why = match c.hold {
+        Some(HoldReason::PermissionError) => {
+            format!("the tool `{}` refused it for lack of permission", c.tool)
+        }
+        _ => {
+            let n = s
+                .tool_failures
+                .iter()
+                .find(|(t, _)| *t == c.tool)
+                .map_or(0, |(_, n)| *n);
+            format!("the tool `{}` failed {n} times in a row", c.tool)
+        }
+    };
+    let mut message =
+        format!("an operator skipped this call after {why}{last}; it was not run again");
+    if let Some(r) = reason {
+        message.push_str(": ");
+        message.push_str(r);
+    }
+    ToolError::new(ToolErrorCode::Skipped, message)
+}
+
+/// Answers the call with `error` (a held call's failure streak starts over). Returns why it
+/// was held, if it was.
+fn skip_held(s: &mut RunState, call_id: &CallId, error: ToolError) -> Option<HoldReason> {
+    let c = s.calls.iter_mut().find(|c| &c.call_id == call_id)?;
+    c.status = CallStatus::Done;
+    c.result = Some(ToolResult::failure(error));
+    let held = c.hold.take();
+    if held == Some(HoldReason::ToolFailing) {
+        let tool = c.tool.clone();
+        s.tool_failures.retain(|(t, _)| *t != tool);
+    }
+    held
+}
+
+/// An operator's decision `fail`: the run ends `failed`, with a code that says why the call
+/// waited (`tool_failing`, `permission_denied`, `outcome_unknown`, `approval_denied`).
+fn fail_call(
+    s: &mut RunState,
+    call_id: CallId,
+    reason: Option<String>,
+    by: Option<String>,
+) -> Result<Transition, InvalidTransition> {
+    let Some(c) = s.call(&call_id) else {
+        return Err(invalid(
+            s,
+            "unknown_call",
+            format!("no call {call_id} in this run"),
+        ));
+    };
+    let code = match (c.status, c.hold) {
+        (CallStatus::AwaitingApproval, Some(HoldReason::ToolFailing)) => "tool_failing",
+        (CallStatus::AwaitingApproval, Some(HoldReason::PermissionError)) => "permission_denied",
+        (CallStatus::AwaitingApproval, None) => "approval_denied",
+        (CallStatus::OutcomeUnknown, _) => "outcome_unknown",
+        _ => {
+            return Err(invalid(
+                s,
+                "invalid_state",
+                format!("call {call_id} is not awaiting approval"),
+            ));
+        }
+    };
+    let last = c
+        .result
+        .as_ref()
+        .and_then(|r| r.error.as_ref())
+        .map(|e| format!(" (last error: {}: {})", e.code.as_str(), e.message))
+        .unwrap_or_default();
+    let mut message = format!(
+        "an operator failed the run at call {call_id} of the tool `{}`{last}",
+        c.tool
+    );
+    if let Some(r) = &reason {
+        message.push_str(": ");
+        message.push_str(r);
+    }
+    let held = c.hold;
+    s.failed_call = Some(call_id.clone());
+    let effects = fail(s, RunError::new(code, message));
+    let mut data = json!({ "call_id": call_id, "reason": reason, "by": by });
+    if let (Value::Object(m), Some(h)) = (&mut data, held) {
+        m.insert("held".into(), json!(h.as_str()));
+    }
+    Ok(out("call_failed", data, effects))
 }
 
 /// Nobody decided a call within its tool's approval timeout: take the tool's default decision.
 /// The caller checked that the call is still awaiting approval.
 fn expire_approval(s: &mut RunState, call_id: CallId, cx: &StepContext<'_>) -> Transition {
     let mut action = ApprovalTimeoutAction::Reject;
-    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+    let mut held = None;
+    if let Some(c) = s.call(&call_id) {
         action = cx.tools.on_approval_timeout(&c.tool);
+        held = c.hold;
+        let error = match held {
+            Some(_) => skipped(s, c, Some("no operator decided in time")),
+            None => ToolError::new(
+                ToolErrorCode::ApprovalDenied,
+                "no operator decided on this call in time; it was not run",
+            ),
+        };
         match action {
-            ApprovalTimeoutAction::Approve => c.status = CallStatus::Ready,
+            // A held call runs again, like an approved one.
+            ApprovalTimeoutAction::Approve => {
+                if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+                    c.status = CallStatus::Ready;
+                    if c.hold.take().is_some() {
+                        c.result = None;
+                    }
+                }
+            }
             ApprovalTimeoutAction::Reject => {
-                c.status = CallStatus::Done;
-                c.result = Some(ToolResult::failure(ToolError::new(
-                    ToolErrorCode::ApprovalDenied,
-                    "no operator decided on this call in time; it was not run",
-                )));
+                skip_held(s, &call_id, error);
             }
         }
     }
     s.decided
         .push((call_id.clone(), action == ApprovalTimeoutAction::Approve));
     let effects = advance_batch(s, cx);
-    let mut t = out(
-        "approval_expired",
-        json!({ "call_id": call_id, "action": action }),
-        effects,
-    );
+    let mut data = json!({ "call_id": call_id, "action": action });
+    if let (Value::Object(m), Some(h)) = (&mut data, held) {
+        m.insert("held".into(), json!(h.as_str()));
+    }
+    let mut t = out("approval_expired", data, effects);
     add_dispatched(s, &mut t);
     t
 }
@@ -1861,6 +2230,7 @@ fn on_tool_accepted(
 
 /// An accepted (or, by callback, a dispatched) call got its result: by a poll, the callback
 /// route, or its deadline (`via`). The first result wins; the caller checked the call waits.
+/// The result is judged like any final result of a call that ran ("judge the result").
 fn complete_task(
     s: &mut RunState,
     call_id: CallId,
@@ -1870,21 +2240,38 @@ fn complete_task(
 ) -> Transition {
     let mut data =
         json!({ "call_id": call_id, "ok": result.ok, "truncated": result.truncated, "via": via });
-    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
-        if let Value::Object(m) = &mut data {
-            m.insert("tool".into(), json!(c.tool));
-            if let Some(e) = &result.error {
-                m.insert("error".into(), json!(e));
-            }
-            if let (Some(d), Some(g)) = (&result.data, cx.tools.guard(&c.tool))
-                && g.projects()
-            {
-                m.insert("result".into(), d.clone());
-            }
+    let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) else {
+        return ignored(&RunEvent::Start, "unknown_call");
+    };
+    if let Value::Object(m) = &mut data {
+        m.insert("tool".into(), json!(c.tool));
+        if let Some(e) = &result.error {
+            m.insert("error".into(), json!(e));
         }
-        c.status = CallStatus::Done;
-        c.task = None;
-        c.result = Some(result);
+        if let (Some(d), Some(g)) = (&result.data, cx.tools.guard(&c.tool))
+            && g.projects()
+        {
+            m.insert("result".into(), d.clone());
+        }
+    }
+    c.task = None;
+    let tool = c.tool.clone();
+    match judge_result(s, &tool, &result, cx) {
+        Judged::Answer => settle(s, &call_id, result, None, cx.now_ms),
+        Judged::Hold(reason, failures) => {
+            if let Value::Object(m) = &mut data {
+                m.insert("held".into(), json!(reason.as_str()));
+                if let Some(n) = failures {
+                    m.insert("failures".into(), json!(n));
+                }
+            }
+            settle(s, &call_id, result, Some(reason), cx.now_ms);
+        }
+        Judged::Stop(error) => {
+            settle(s, &call_id, result, None, cx.now_ms);
+            let effects = fail(s, error);
+            return out("tool_call_finished", data, effects);
+        }
     }
     let effects = advance_batch(s, cx);
     let mut t = out("tool_call_finished", data, effects);

@@ -160,6 +160,32 @@ pub struct PendingCall {
     /// Set while the call is `awaiting_result`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task: Option<CallTask>,
+    /// Why a call that ran waits for an operator (`AwaitingApproval`) instead of being answered:
+    /// its tool keeps failing, or refused it for lack of permission. `None`: an approval the
+    /// tool's policy asks for (or no wait at all). Its last result stays in `result`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldReason>,
+}
+
+/// Why a call that ran was held for an operator's decision (approve: run it again; reject:
+/// skip it, the model is told; fail: end the run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldReason {
+    /// Calls of this tool failed `max_failures` times in a row in this run.
+    ToolFailing,
+    /// The tool answered 401/403 and its policy is `on_permission_error = "operator"`.
+    PermissionError,
+}
+
+impl HoldReason {
+    /// The API's name (the approvals inbox's `reason`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldReason::ToolFailing => "tool_failing",
+            HoldReason::PermissionError => "permission_error",
+        }
+    }
 }
 
 /// Why a run failed: a stable snake_case code and one sentence.
@@ -253,6 +279,14 @@ pub struct RunState {
     /// the same answer after its batch is over.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub decided: Vec<(CallId, bool)>,
+    /// Tools whose calls failed in a row in this run, with how many times (a success of the
+    /// tool, or an operator skipping its held call, clears its entry).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_failures: Vec<(String, u32)>,
+    /// The call whose operator decision `fail` ended the run (so a repeated `fail` answers
+    /// the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_call: Option<CallId>,
     /// Highest control-inbox seq already consumed (applied, repeated or refused).
     #[serde(default)]
     pub controls_applied: u64,
@@ -321,6 +355,8 @@ impl RunState {
             queued_input: Vec::new(),
             succeeded_tools: Vec::new(),
             decided: Vec::new(),
+            tool_failures: Vec::new(),
+            failed_call: None,
             controls_applied: 0,
             control_refusals: Vec::new(),
             agent_digest: None,

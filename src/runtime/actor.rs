@@ -1139,8 +1139,21 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             let me = myself.clone();
             let metrics = deps.metrics.clone();
             let sent = Instant::now();
-            deps.gateway
-                .submit(request, live.cancel.clone(), move |outcome| {
+            // Each gateway retry becomes an event on the run (through the machine).
+            let notify = myself.clone();
+            let on_retry: crate::model::gateway::OnModelRetry = Box::new(move |n| {
+                let _ = notify.cast(RunMsg::Event(RunEvent::ModelRetrying {
+                    epoch,
+                    attempt: n.attempt,
+                    error: n.error,
+                    wait_ms: n.wait.as_millis() as u64,
+                }));
+            });
+            deps.gateway.submit_observed(
+                request,
+                live.cancel.clone(),
+                Some(on_retry),
+                move |outcome| {
                     metrics.model_latency.observe(sent.elapsed());
                     let event = match outcome {
                         Ok(reply) => RunEvent::ModelReplied { epoch, reply },
@@ -1150,7 +1163,8 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                         }
                     };
                     let _ = me.cast(RunMsg::Event(event));
-                });
+                },
+            );
         }
         Effect::ExecuteTool { epoch, call_id } | Effect::CheckStatus { epoch, call_id } => {
             let status_check = matches!(
@@ -1200,43 +1214,56 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             let redactor = deps.redactor.clone();
             let sent = Instant::now();
             live.tools_in_flight += 1;
-            deps.tools.submit(tool, ctx, work, move |outcome| {
-                metrics.tool_latency.observe(sent.elapsed());
-                let event = match outcome {
-                    ToolOutcome::Result(mut result) => {
-                        result.redact(&redactor);
-                        if !result.ok {
-                            metrics.tool_errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                        RunEvent::ToolFinished {
-                            epoch,
-                            call_id,
-                            result,
-                        }
-                    }
-                    ToolOutcome::Status(mut outcome) => {
-                        match &mut outcome {
-                            Ok(Some(result)) => result.redact(&redactor),
-                            Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
-                            Ok(None) => {}
-                        }
-                        RunEvent::StatusChecked {
-                            epoch,
-                            call_id,
-                            outcome,
-                        }
-                    }
-                    ToolOutcome::Accepted { status_url } => RunEvent::ToolAccepted {
-                        epoch,
-                        call_id,
-                        status_url,
-                        timeout_ms: task_timeout_ms,
-                    },
-                    // Only poll jobs answer this (`long_running`).
-                    ToolOutcome::Polled(_) => return,
-                };
-                let _ = me.cast(RunMsg::Event(event));
+            // Each executor retry becomes an event on the run (through the machine).
+            let notify = myself.clone();
+            let retried = call_id.clone();
+            let on_retry: crate::tool::executor::OnRetry = Box::new(move |n| {
+                let _ = notify.cast(RunMsg::Event(RunEvent::ToolRetrying {
+                    epoch,
+                    call_id: retried.clone(),
+                    attempt: n.attempt,
+                    error: n.error,
+                    wait_ms: n.wait.as_millis() as u64,
+                }));
             });
+            deps.tools
+                .submit_observed(tool, ctx, work, Some(on_retry), move |outcome| {
+                    metrics.tool_latency.observe(sent.elapsed());
+                    let event = match outcome {
+                        ToolOutcome::Result(mut result) => {
+                            result.redact(&redactor);
+                            if !result.ok {
+                                metrics.tool_errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                            RunEvent::ToolFinished {
+                                epoch,
+                                call_id,
+                                result,
+                            }
+                        }
+                        ToolOutcome::Status(mut outcome) => {
+                            match &mut outcome {
+                                Ok(Some(result)) => result.redact(&redactor),
+                                Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
+                                Ok(None) => {}
+                            }
+                            RunEvent::StatusChecked {
+                                epoch,
+                                call_id,
+                                outcome,
+                            }
+                        }
+                        ToolOutcome::Accepted { status_url } => RunEvent::ToolAccepted {
+                            epoch,
+                            call_id,
+                            status_url,
+                            timeout_ms: task_timeout_ms,
+                        },
+                        // Only poll jobs answer this (`long_running`).
+                        ToolOutcome::Polled(_) => return,
+                    };
+                    let _ = me.cast(RunMsg::Event(event));
+                });
         }
         Effect::Verify { epoch, candidate } => {
             let verdict = verify_all(&live.agent.spec.verifiers, &candidate, run);

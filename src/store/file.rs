@@ -57,13 +57,19 @@ const TOKENS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("tokens")
 const ACTIVE: TableDefinition<&str, ()> = TableDefinition::new("active");
 /// (tenant, run id) → () for listing.
 const TENANT_RUNS: TableDefinition<(&str, &str), ()> = TableDefinition::new("tenant_runs");
+/// (tenant, status, run id) → (): the listing index of a status filter.
+const TENANT_STATUS_RUNS: TableDefinition<(&str, &str, &str), ()> =
+    TableDefinition::new("tenant_status_runs");
+/// (tenant, agent, run id) → (): the listing index of an agent filter.
+const TENANT_AGENT_RUNS: TableDefinition<(&str, &str, &str), ()> =
+    TableDefinition::new("tenant_agent_runs");
 /// (tenant, client key) → run id.
 const CLIENT_KEYS: TableDefinition<(&str, &str), &str> = TableDefinition::new("client_keys");
 /// (due time in wall-clock ms, run id) → (): runs by due time.
 const DUE: TableDefinition<(u64, &str), ()> = TableDefinition::new("due");
 /// run id → its due time, to find its entry in `DUE`.
 const DUE_BY_RUN: TableDefinition<&str, u64> = TableDefinition::new("due_by_run");
-/// Store metadata (`epoch`).
+/// Store metadata (`epoch`; `list_index` once the listing indexes cover every run).
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
 
 /// How long dropping the store waits for the writer thread to finish its last batch and close
@@ -180,12 +186,64 @@ fn decode(run: &RunId, json: &str) -> Result<Checkpoint> {
     serde_json::from_str(json).map_err(|e| corrupt(run, "decoding checkpoint", e))
 }
 
+/// The `META` entry saying the listing indexes cover every run.
+const LIST_INDEX_MARK: &str = "list_index";
+
+/// Fills the (tenant, status) and (tenant, agent) listing indexes from the stored runs, once:
+/// a store written before they existed gets them at its first open by this version. A record
+/// that does not decode is left out (listings quarantine it when they meet it unfiltered).
+fn build_list_indexes(txn: &WriteTransaction) -> Result<()> {
+    let what = "building the listing indexes";
+    let mut meta = txn.open_table(META).map_err(|x| db_err(what, x))?;
+    if meta
+        .get(LIST_INDEX_MARK)
+        .map_err(|x| db_err(what, x))?
+        .is_some()
+    {
+        return Ok(());
+    }
+    let runs = txn.open_table(RUNS).map_err(|x| db_err(what, x))?;
+    let mut by_status = txn
+        .open_table(TENANT_STATUS_RUNS)
+        .map_err(|x| db_err(what, x))?;
+    let mut by_agent = txn
+        .open_table(TENANT_AGENT_RUNS)
+        .map_err(|x| db_err(what, x))?;
+    let mut indexed = 0u64;
+    for entry in runs.iter().map_err(|x| db_err(what, x))? {
+        let (k, v) = entry.map_err(|x| db_err(what, x))?;
+        let Ok(c) = serde_json::from_str::<Checkpoint>(v.value()) else {
+            tracing::warn!(
+                run_id = k.value(),
+                "a stored run does not decode; it stays out of the listing indexes"
+            );
+            continue;
+        };
+        let (tenant, run) = (c.tenant.as_str(), k.value());
+        by_status
+            .insert((tenant, c.status.as_str(), run), ())
+            .map_err(|x| db_err(what, x))?;
+        by_agent
+            .insert((tenant, c.agent.as_str(), run), ())
+            .map_err(|x| db_err(what, x))?;
+        indexed += 1;
+    }
+    if indexed > 0 {
+        tracing::info!(runs = indexed, "file store: built the listing indexes");
+    }
+    meta.insert(LIST_INDEX_MARK, "1")
+        .map_err(|x| db_err(what, x))?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // The writer: jobs, their application inside a shared transaction, and the thread.
 
 struct CreateJob {
     run: RunId,
     tenant: String,
+    agent: String,
+    status: String,
     terminal: bool,
     json: String,
     events: Vec<(u64, String)>,
@@ -194,6 +252,7 @@ struct CreateJob {
 
 struct CommitJob {
     run: RunId,
+    status: String,
     token: u64,
     expected: u64,
     terminal: bool,
@@ -343,6 +402,8 @@ struct Tables<'t> {
     tokens: Table<'t, &'static str, (u64, u64)>,
     active: Table<'t, &'static str, ()>,
     tenant_runs: Table<'t, (&'static str, &'static str), ()>,
+    tenant_status_runs: Table<'t, (&'static str, &'static str, &'static str), ()>,
+    tenant_agent_runs: Table<'t, (&'static str, &'static str, &'static str), ()>,
     client_keys: Table<'t, (&'static str, &'static str), &'static str>,
     due: Table<'t, (u64, &'static str), ()>,
     due_by_run: Table<'t, &'static str, u64>,
@@ -364,6 +425,8 @@ impl<'t> Tables<'t> {
             tokens: txn.open_table(TOKENS).map_err(o)?,
             active: txn.open_table(ACTIVE).map_err(o)?,
             tenant_runs: txn.open_table(TENANT_RUNS).map_err(o)?,
+            tenant_status_runs: txn.open_table(TENANT_STATUS_RUNS).map_err(o)?,
+            tenant_agent_runs: txn.open_table(TENANT_AGENT_RUNS).map_err(o)?,
             client_keys: txn.open_table(CLIENT_KEYS).map_err(o)?,
             due: txn.open_table(DUE).map_err(o)?,
             due_by_run: txn.open_table(DUE_BY_RUN).map_err(o)?,
@@ -509,6 +572,12 @@ impl<'t> Tables<'t> {
         self.tenant_runs
             .insert((j.tenant.as_str(), run.as_str()), ())
             .map_err(w)?;
+        self.tenant_status_runs
+            .insert((j.tenant.as_str(), j.status.as_str(), run.as_str()), ())
+            .map_err(w)?;
+        self.tenant_agent_runs
+            .insert((j.tenant.as_str(), j.agent.as_str(), run.as_str()), ())
+            .map_err(w)?;
         self.append_events(run, &j.events)?;
         self.set_active(run, j.terminal)?;
         Ok(CreateOutcome::Created)
@@ -532,7 +601,8 @@ impl<'t> Tables<'t> {
             });
         }
         let last = last_seq(&self.events, run)?;
-        let found = decode(run, &stored)?.version;
+        let before = decode(run, &stored)?;
+        let found = before.version;
         if found != j.expected {
             let replay = stored == j.json && j.events.last().is_none_or(|(seq, _)| *seq == last);
             if replay {
@@ -546,6 +616,15 @@ impl<'t> Tables<'t> {
         }
         check_seq(run, last, j.events.iter().map(|(seq, _)| *seq))?;
         self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
+        if before.status != j.status {
+            let tenant = before.tenant.as_str();
+            self.tenant_status_runs
+                .remove((tenant, before.status.as_str(), run.as_str()))
+                .map_err(w)?;
+            self.tenant_status_runs
+                .insert((tenant, j.status.as_str(), run.as_str()), ())
+                .map_err(w)?;
+        }
         self.append_events(run, &j.events)?;
         self.set_active(run, j.terminal)?;
         if j.terminal {
@@ -728,6 +807,7 @@ impl FileStore {
             txn.open_table(ACTIVE).map_err(init)?;
             txn.open_table(TENANT_RUNS).map_err(init)?;
             txn.open_table(CLIENT_KEYS).map_err(init)?;
+            build_list_indexes(&txn)?;
             txn.open_table(DUE).map_err(init)?;
             txn.open_table(DUE_BY_RUN).map_err(init)?;
             let mut meta = txn.open_table(META).map_err(init)?;
@@ -844,6 +924,8 @@ impl CheckpointStore for FileStore {
         let job = CreateJob {
             run: run.clone(),
             tenant: checkpoint.tenant.clone(),
+            agent: checkpoint.agent.clone(),
+            status: checkpoint.status.clone(),
             terminal: checkpoint.terminal,
             json: serde_json::to_string(checkpoint)
                 .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
@@ -879,6 +961,7 @@ impl CheckpointStore for FileStore {
         let run = &checkpoint.run_id;
         let job = CommitJob {
             run: run.clone(),
+            status: checkpoint.status.clone(),
             token: lease.token,
             expected: expected_version,
             terminal: checkpoint.terminal,
@@ -1071,41 +1154,90 @@ impl CheckpointStore for FileStore {
         self.blocking(move |inner| {
             let what = "listing runs";
             let txn = inner.db.begin_read().map_err(|e| db_err(what, e))?;
-            let index = txn.open_table(TENANT_RUNS).map_err(|e| db_err(what, e))?;
             let runs = txn.open_table(RUNS).map_err(|e| db_err(what, e))?;
-            let lower = (tenant.as_str(), "");
-            let range = match &cursor {
-                Some(c) => index.range(lower..(tenant.as_str(), c.as_str())),
-                // Run ids start with `run_`, so every one sorts below `~`.
-                None => index.range(lower..(tenant.as_str(), "~")),
-            }
-            .map_err(|e| db_err(what, e))?;
+            let t = tenant.as_str();
+            // Run ids start with `run_`, so every one sorts below `~`.
+            let upper = cursor.as_deref().unwrap_or("~");
             let mut items = Vec::new();
-            for entry in range.rev() {
-                let (k, _) = entry.map_err(|e| db_err(what, e))?;
-                let id = k.value().1.to_owned();
-                let run: RunId = id
-                    .parse()
-                    .map_err(|e| Error::Corrupt(format!("tenant index holds {id:?}: {e}")))?;
+            let mut unreadable = Vec::new();
+            // Reads one indexed run; `true` once the page (plus the one that says more follow)
+            // is full.
+            let mut visit = |id: &str| -> Result<bool> {
+                let run: RunId = match id.parse() {
+                    Ok(run) => run,
+                    Err(e) => {
+                        tracing::error!(entry = ?id, error = %e, "a listing index holds an entry that is not a run id; skipping it");
+                        return Ok(false);
+                    }
+                };
                 let Some(json) = runs
-                    .get(id.as_str())
+                    .get(id)
                     .map_err(|e| db_err(what, e))?
                     .map(|v| v.value().to_owned())
                 else {
-                    continue;
+                    return Ok(false);
                 };
-                let c = decode(&run, &json)?;
-                let keep = c.tenant == tenant
-                    && filter.status.as_ref().is_none_or(|s| &c.status == s)
-                    && filter.agent.as_ref().is_none_or(|a| &c.agent == a);
-                if keep {
-                    items.push(c);
-                    if items.len() > limit {
+                match decode(&run, &json) {
+                    Ok(c) => {
+                        let keep = c.tenant == tenant
+                            && filter.status.as_ref().is_none_or(|s| &c.status == s)
+                            && filter.agent.as_ref().is_none_or(|a| &c.agent == a);
+                        if keep {
+                            items.push(c);
+                        }
+                    }
+                    Err(e) => unreadable.push((run, e.to_string())),
+                }
+                Ok(items.len() > limit)
+            };
+            // The narrowest index the filter allows: by status (checking the agent on the
+            // way), by agent, or every run of the tenant.
+            if let Some(status) = &filter.status {
+                let index = txn
+                    .open_table(TENANT_STATUS_RUNS)
+                    .map_err(|e| db_err(what, e))?;
+                let s = status.as_str();
+                for entry in index
+                    .range((t, s, "")..(t, s, upper))
+                    .map_err(|e| db_err(what, e))?
+                    .rev()
+                {
+                    let (k, _) = entry.map_err(|e| db_err(what, e))?;
+                    if visit(k.value().2)? {
+                        break;
+                    }
+                }
+            } else if let Some(agent) = &filter.agent {
+                let index = txn
+                    .open_table(TENANT_AGENT_RUNS)
+                    .map_err(|e| db_err(what, e))?;
+                let a = agent.as_str();
+                for entry in index
+                    .range((t, a, "")..(t, a, upper))
+                    .map_err(|e| db_err(what, e))?
+                    .rev()
+                {
+                    let (k, _) = entry.map_err(|e| db_err(what, e))?;
+                    if visit(k.value().2)? {
+                        break;
+                    }
+                }
+            } else {
+                let index = txn.open_table(TENANT_RUNS).map_err(|e| db_err(what, e))?;
+                for entry in index
+                    .range((t, "")..(t, upper))
+                    .map_err(|e| db_err(what, e))?
+                    .rev()
+                {
+                    let (k, _) = entry.map_err(|e| db_err(what, e))?;
+                    if visit(k.value().1)? {
                         break;
                     }
                 }
             }
-            Ok(RunPage::from_newest_first(items, limit))
+            let mut page = RunPage::from_newest_first(items, limit);
+            page.unreadable = unreadable;
+            Ok(page)
         })
         .await
     }
@@ -1212,5 +1344,93 @@ impl EventLog for FileStore {
             Ok(out)
         })
         .await
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn checkpoint(run: &RunId, status: &str, agent: &str) -> Checkpoint {
+        Checkpoint {
+            run_id: run.clone(),
+            tenant: "acme".into(),
+            agent: agent.into(),
+            status: status.into(),
+            terminal: status == "succeeded",
+            version: 1,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            body: "{}".into(),
+        }
+    }
+
+    fn created(seq: u64) -> EventRecord {
+        EventRecord {
+            seq,
+            at_ms: 1,
+            kind: "run_created".into(),
+            data: serde_json::json!({}),
+        }
+    }
+
+    /// A store written before the listing indexes existed (no index tables, no marker) gets
+    /// them at its next open, and a record that does not decode stays out of them (the
+    /// unfiltered listing reports it, the filtered ones never read it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn listing_indexes_are_built_for_an_older_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut runs: Vec<RunId> = (0..4).map(|_| RunId::generate()).collect();
+        runs.sort();
+        {
+            let s = FileStore::open(dir.path()).await.unwrap();
+            for (i, r) in runs.iter().enumerate() {
+                let status = if i == 0 { "succeeded" } else { "waiting_input" };
+                let agent = if i == 3 { "triage" } else { "demo" };
+                s.create(&checkpoint(r, status, agent), &[created(1)], None)
+                    .await
+                    .unwrap();
+            }
+        }
+        {
+            // Back to the earlier layout, and one unreadable record.
+            let db = Database::create(dir.path().join(FILE_NAME)).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.delete_table(TENANT_STATUS_RUNS).unwrap();
+            txn.delete_table(TENANT_AGENT_RUNS).unwrap();
+            txn.open_table(META)
+                .unwrap()
+                .remove(LIST_INDEX_MARK)
+                .unwrap();
+            txn.open_table(RUNS)
+                .unwrap()
+                .insert(runs[0].as_str(), "{not json")
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let s = FileStore::open(dir.path()).await.unwrap();
+        let waiting = RunFilter {
+            status: Some("waiting_input".into()),
+            agent: None,
+        };
+        let page = s.list_runs("acme", &waiting, None, 10).await.unwrap();
+        let ids: Vec<&RunId> = page.items.iter().map(|c| &c.run_id).collect();
+        assert_eq!(ids, vec![&runs[3], &runs[2], &runs[1]]);
+        assert!(page.unreadable.is_empty());
+        let triage = RunFilter {
+            status: None,
+            agent: Some("triage".into()),
+        };
+        let page = s.list_runs("acme", &triage, None, 10).await.unwrap();
+        assert_eq!(page.items.len(), 1);
+        assert_eq!(page.items[0].run_id, runs[3]);
+        let all = s
+            .list_runs("acme", &RunFilter::default(), None, 10)
+            .await
+            .unwrap();
+        assert_eq!(all.items.len(), 3);
+        assert_eq!(all.unreadable.len(), 1);
+        assert_eq!(all.unreadable[0].0, runs[0]);
     }
 }

@@ -19,11 +19,15 @@
 //! | `<ns>:{node:<id>}:owner` | string (PX ttl) | the process instance holding the node id |
 //! | `<ns>:{node:<id>}:wake` | stream (MAXLEN ~ 10000) | wake-ups for the node, field `r` = run id |
 //! | `<ns>:tenant:<tenant>:runs` | sorted set (score 0) | the tenant's run ids, lexical = time order |
+//! | `<ns>:tenant:<tenant>:status:<status>:runs` | sorted set (score 0) | the tenant's runs in that status (a superset: readers check the checkpoint) |
+//! | `<ns>:tenant:<tenant>:agent:<agent>:runs` | sorted set (score 0) | the tenant's runs of that agent |
+//! | `<ns>:tenant:<tenant>:list-indexed` | string | present once the two indexes above cover every run of the tenant |
 //! | `<ns>:tenant:<tenant>:ckey:<sha256(key)>` | string | client idempotency key → run id |
 //! | `<ns>:epoch` | string | random id written once when the namespace is initialised |
 //!
 //! User-supplied parts never reach a key unescaped: run ids have a charset without `{`, `}`, `:`
-//! (see `ids`), tenants and node ids are percent-escaped, client keys are hashed.
+//! (see `ids`), tenants, statuses, agents and node ids are percent-escaped, client keys are
+//! hashed.
 
 use sha2::{Digest, Sha256};
 
@@ -117,6 +121,31 @@ impl Keys {
     /// Sorted set of one tenant's run ids.
     pub fn tenant_runs(&self, tenant: &str) -> String {
         format!("{}:tenant:{}:runs", self.ns, escape(tenant))
+    }
+
+    /// Sorted set of one tenant's run ids in one status (the status filter's index).
+    pub fn tenant_status_runs(&self, tenant: &str, status: &str) -> String {
+        format!(
+            "{}:tenant:{}:status:{}:runs",
+            self.ns,
+            escape(tenant),
+            escape(status)
+        )
+    }
+
+    /// Sorted set of one tenant's run ids of one agent (the agent filter's index).
+    pub fn tenant_agent_runs(&self, tenant: &str, agent: &str) -> String {
+        format!(
+            "{}:tenant:{}:agent:{}:runs",
+            self.ns,
+            escape(tenant),
+            escape(agent)
+        )
+    }
+
+    /// Marker: the tenant's status and agent indexes cover every run of the tenant.
+    pub fn tenant_list_indexed(&self, tenant: &str) -> String {
+        format!("{}:tenant:{}:list-indexed", self.ns, escape(tenant))
     }
 
     /// One tenant's client idempotency key → run id.
@@ -213,6 +242,15 @@ mod tests {
         assert_ne!(escape("a%3A"), escape("a:"));
         let k = Keys::new("ns").unwrap();
         assert_eq!(k.tenant_runs("x}:{y"), "ns:tenant:x%7D%3A%7By:runs");
+        assert_eq!(
+            k.tenant_status_runs("t:1", "waiting_approval"),
+            "ns:tenant:t%3A1:status:waiting_approval:runs"
+        );
+        assert_eq!(
+            k.tenant_agent_runs("t", "a:runs"),
+            "ns:tenant:t:agent:a%3Aruns:runs"
+        );
+        assert_eq!(k.tenant_list_indexed("t"), "ns:tenant:t:list-indexed");
     }
 
     #[test]

@@ -356,14 +356,22 @@ impl CheckpointStore for MemoryStore {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<RunPage> {
+        // The reference store holds decoded records, so it filters them in place and copies
+        // only what it returns.
         let mut items: Vec<Checkpoint> = self
             .runs
             .iter()
-            .filter_map(|e| e.checkpoint.clone())
-            .filter(|c| c.tenant == tenant)
-            .filter(|c| filter.status.as_ref().is_none_or(|s| &c.status == s))
-            .filter(|c| filter.agent.as_ref().is_none_or(|a| &c.agent == a))
-            .filter(|c| cursor.is_none_or(|cur| c.run_id.as_str() < cur))
+            .filter_map(|e| {
+                e.checkpoint
+                    .as_ref()
+                    .filter(|c| {
+                        c.tenant == tenant
+                            && filter.status.as_ref().is_none_or(|s| &c.status == s)
+                            && filter.agent.as_ref().is_none_or(|a| &c.agent == a)
+                            && cursor.is_none_or(|cur| c.run_id.as_str() < cur)
+                    })
+                    .cloned()
+            })
             .collect();
         items.sort_by(|a, b| b.run_id.cmp(&a.run_id));
         Ok(RunPage::from_newest_first(items, limit))

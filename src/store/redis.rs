@@ -130,9 +130,10 @@ return {0, ''}
 
 /// KEYS: ckpt, events.
 /// ARGV: token, expected, new_version, doc, status, terminal(0|1), n, then n × (seq, json).
+/// Answers OK with the status the commit replaced.
 const COMMIT_LUA: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 0 then return {2, ''} end
-local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq')
+local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq', 'status')
 if h[1] ~= ARGV[1] then return {3, ''} end
 local v = tonumber(h[2])
 local last = tonumber(h[3])
@@ -153,7 +154,8 @@ for i = 1, n do
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[3], 'doc', ARGV[4], 'status', ARGV[5],
   'terminal', ARGV[6], 'seq', last + n)
-return {0, ARGV[3]}
+-- The status it replaced, for the listing index.
+return {0, h[4] or ''}
 "#;
 
 /// KEYS: ckpt, lease. ARGV: owner, ttl_ms.
@@ -372,11 +374,22 @@ struct Core {
     source: Source,
     /// Idle dedicated connections for blocking reads.
     blocking: tokio::sync::Mutex<Vec<Conn>>,
+    /// Per run, the (version, status) this store last wrote: a commit from that version in
+    /// the same status needs no status-index entry (it is there), any other one adds it first.
+    listed: dashmap::DashMap<RunId, (u64, String)>,
+    /// Tenants whose status and agent indexes are known to cover every run.
+    indexed_tenants: dashmap::DashSet<String>,
 }
+
+/// Beyond this many remembered (version, status) pairs the memory is dropped: it only saves
+/// index writes, so forgetting costs one idempotent ZADD per run.
+const MAX_LISTED: usize = 200_000;
 
 /// One commit waiting for the group committer.
 struct CommitJob {
     run: RunId,
+    tenant: String,
+    status: String,
     expected: u64,
     token: u64,
     terminal: bool,
@@ -464,6 +477,20 @@ fn cluster_nodes(url: &str) -> Option<Vec<String>> {
 }
 
 impl Core {
+    /// Remembers the status a run was written with (see `listed`); a finished run is
+    /// forgotten, since it is written at most with late results, in the same status.
+    fn remember_listed(&self, c: &Checkpoint) {
+        if c.terminal {
+            self.listed.remove(&c.run_id);
+            return;
+        }
+        if self.listed.len() >= MAX_LISTED {
+            self.listed.clear();
+        }
+        self.listed
+            .insert(c.run_id.clone(), (c.version, c.status.clone()));
+    }
+
     fn is_cluster(&self) -> bool {
         matches!(self.con, Conn::Cluster(_))
     }
@@ -619,15 +646,31 @@ impl Core {
         let cmds: Vec<Cmd> = batch.iter().map(|j| j.cmd.clone()).collect();
         match self.exec_scripts("committing", &cmds).await {
             Ok(answers) => {
+                // The status indexes the committed runs left (the script answers the status
+                // each commit replaced); removed after the commit, so a crash in between
+                // leaves only entries that readers skip.
+                let mut left = Vec::new();
                 let outcomes: Vec<Result<()>> = batch
                     .iter()
                     .zip(answers)
                     .map(|(job, a)| {
                         a.reply("committing").and_then(|(code, detail)| {
+                            if code == OK && !detail.is_empty() && detail != job.status {
+                                let mut c = ::redis::cmd("ZREM");
+                                c.arg(self.keys.tenant_status_runs(&job.tenant, &detail))
+                                    .arg(job.run.as_str());
+                                left.push(c);
+                            }
                             commit_outcome(&job.run, job.expected, job.token, code, &detail)
                         })
                     })
                     .collect();
+                if !left.is_empty() {
+                    let what = "moving committed runs between status indexes";
+                    if self.exec_many(what, &left).await.is_err() {
+                        tracing::debug!("redis store: stale status-index entries stay until read");
+                    }
+                }
                 let finished: Vec<RunId> = batch
                     .iter()
                     .zip(&outcomes)
@@ -758,6 +801,8 @@ impl RedisStore {
             scripts: Scripts::new(),
             source,
             blocking: tokio::sync::Mutex::new(Vec::new()),
+            listed: dashmap::DashMap::new(),
+            indexed_tenants: dashmap::DashSet::new(),
         });
         let queue = if cfg.group_commit && !core.is_cluster() {
             let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
@@ -780,6 +825,97 @@ impl RedisStore {
     /// Whether this store runs on Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         self.core.is_cluster()
+    }
+
+    /// Makes sure the tenant's status and agent indexes cover every run, once per tenant and
+    /// process: a namespace written before they existed gets them at its first filtered
+    /// listing. Concurrent builders and commits only add entries, which readers check.
+    async fn ensure_list_indexes(&self, tenant: &str) -> Result<()> {
+        if self.core.indexed_tenants.contains(tenant) {
+            return Ok(());
+        }
+        let keys = &self.core.keys;
+        let what = "building the listing indexes";
+        let mark = keys.tenant_list_indexed(tenant);
+        let done: Option<String> = self
+            .core
+            .query(what, ::redis::cmd("GET").arg(&mark))
+            .await?;
+        if done.is_none() {
+            let mut lower = "-".to_owned();
+            let mut indexed = 0usize;
+            loop {
+                let ids: Vec<String> = self
+                    .core
+                    .query(
+                        what,
+                        ::redis::cmd("ZRANGEBYLEX")
+                            .arg(keys.tenant_runs(tenant))
+                            .arg(&lower)
+                            .arg("+")
+                            .arg("LIMIT")
+                            .arg(0)
+                            .arg(500),
+                    )
+                    .await?;
+                let Some(last) = ids.last() else { break };
+                lower = format!("({last}");
+                let runs: Vec<RunId> = ids.iter().filter_map(|id| id.parse().ok()).collect();
+                let reads: Vec<Cmd> = runs
+                    .iter()
+                    .map(|r| {
+                        let mut c = ::redis::cmd("HGET");
+                        c.arg(keys.ckpt(r)).arg("doc");
+                        c
+                    })
+                    .collect();
+                let mut adds: std::collections::HashMap<String, Vec<&str>> = Default::default();
+                for (r, a) in runs.iter().zip(self.core.exec_many(what, &reads).await?) {
+                    let doc: Option<String> = ::redis::from_redis_value(a.value(what)?)
+                        .map_err(|e| corrupt(r, "reading the checkpoint", e))?;
+                    let Some(c) = doc.and_then(|d| Self::decode_checkpoint(r, &d).ok()) else {
+                        continue;
+                    };
+                    for key in [
+                        keys.tenant_status_runs(tenant, &c.status),
+                        keys.tenant_agent_runs(tenant, &c.agent),
+                    ] {
+                        adds.entry(key).or_default().push(r.as_str());
+                    }
+                    indexed += 1;
+                }
+                let writes: Vec<Cmd> = adds
+                    .into_iter()
+                    .map(|(key, ids)| {
+                        let mut c = ::redis::cmd("ZADD");
+                        c.arg(key);
+                        for id in ids {
+                            c.arg(0).arg(id);
+                        }
+                        c
+                    })
+                    .collect();
+                for a in self.core.exec_many(what, &writes).await? {
+                    a.value(what)?;
+                }
+                if ids.len() < 500 {
+                    break;
+                }
+            }
+            let _: Value = self
+                .core
+                .query(what, ::redis::cmd("SET").arg(&mark).arg(1))
+                .await?;
+            if indexed > 0 {
+                tracing::info!(
+                    tenant,
+                    runs = indexed,
+                    "redis store: built the listing indexes"
+                );
+            }
+        }
+        self.core.indexed_tenants.insert(tenant.to_owned());
+        Ok(())
     }
 
     async fn epoch_marker(&self) -> Result<String> {
@@ -977,18 +1113,25 @@ impl CheckpointStore for RedisStore {
             c.arg(keys.active()).arg(run.as_str());
             indexes.push(c);
         }
-        let mut c = ::redis::cmd("ZADD");
-        c.arg(keys.tenant_runs(&checkpoint.tenant))
-            .arg(0)
-            .arg(run.as_str());
-        indexes.push(c);
+        for key in [
+            keys.tenant_runs(&checkpoint.tenant),
+            keys.tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
+            keys.tenant_agent_runs(&checkpoint.tenant, &checkpoint.agent),
+        ] {
+            let mut c = ::redis::cmd("ZADD");
+            c.arg(key).arg(0).arg(run.as_str());
+            indexes.push(c);
+        }
         let (code, detail) = self
             .core
             .exec_ordered(&what, indexes, script)
             .await?
             .reply(&what)?;
         match code {
-            OK => Ok(CreateOutcome::Created),
+            OK => {
+                self.core.remember_listed(checkpoint);
+                Ok(CreateOutcome::Created)
+            }
             CONFLICT => Err(Error::VersionConflict {
                 run: run.clone(),
                 expected: 0,
@@ -1026,9 +1169,32 @@ impl CheckpointStore for RedisStore {
     ) -> Result<()> {
         let run = checkpoint.run_id.clone();
         let cmd = self.commit_cmd(lease, checkpoint, expected_version, events)?;
+        let indexed = self.core.listed.get(&run).is_some_and(|known| {
+            let (version, status) = known.value();
+            *version == expected_version && *status == checkpoint.status
+        });
+        if !indexed {
+            // Into the new status's index before the checkpoint says so.
+            let _: Value = self
+                .core
+                .query(
+                    &format!("indexing run {run} by status"),
+                    ::redis::cmd("ZADD")
+                        .arg(
+                            self.core
+                                .keys
+                                .tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
+                        )
+                        .arg(0)
+                        .arg(run.as_str()),
+                )
+                .await?;
+        }
         let (reply, wait) = oneshot::channel();
         let job = CommitJob {
             run: run.clone(),
+            tenant: checkpoint.tenant.clone(),
+            status: checkpoint.status.clone(),
             expected: expected_version,
             token: lease.token,
             terminal: checkpoint.terminal,
@@ -1051,7 +1217,12 @@ impl CheckpointStore for RedisStore {
         }
         // The batch's own timeout is `op_timeout`; allow it to queue behind other batches.
         match tokio::time::timeout(limit, wait).await {
-            Ok(Ok(r)) => r,
+            Ok(Ok(r)) => {
+                if r.is_ok() {
+                    self.core.remember_listed(checkpoint);
+                }
+                r
+            }
             Ok(Err(_)) => Err(Error::Unavailable(format!(
                 "redis: committing run {run}: group committer stopped"
             ))),
@@ -1385,9 +1556,20 @@ impl CheckpointStore for RedisStore {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<RunPage> {
-        let key = self.core.keys.tenant_runs(tenant);
+        let keys = &self.core.keys;
+        // The narrowest index the filter allows: by status (checking the agent on the way),
+        // by agent, or every run of the tenant.
+        let key = match (&filter.status, &filter.agent) {
+            (Some(status), _) => keys.tenant_status_runs(tenant, status),
+            (None, Some(agent)) => keys.tenant_agent_runs(tenant, agent),
+            (None, None) => keys.tenant_runs(tenant),
+        };
+        if filter.status.is_some() || filter.agent.is_some() {
+            self.ensure_list_indexes(tenant).await?;
+        }
         let batch = (limit + 1).clamp(16, 500);
         let mut items: Vec<Checkpoint> = Vec::new();
+        let mut unreadable = Vec::new();
         let mut upper = match cursor {
             // Ids have no `[`/`(`/`-`/`+` prefix issues: they all start with `run_`.
             Some(c) => format!("({c}"),
@@ -1411,33 +1593,52 @@ impl CheckpointStore for RedisStore {
             if ids.is_empty() {
                 break;
             }
-            let runs: Vec<RunId> = ids
-                .iter()
-                .map(|id| parse_run(id, "tenant"))
-                .collect::<Result<_>>()?;
+            let mut stale: Vec<&str> = Vec::new();
+            let mut runs = Vec::with_capacity(ids.len());
+            for id in &ids {
+                match parse_run(id, "tenant") {
+                    Ok(r) => runs.push(r),
+                    Err(e) => {
+                        tracing::error!(entry = ?id, error = %e, "a listing index holds an entry that is not a run id; removing it");
+                        stale.push(id);
+                    }
+                }
+            }
             let cmds: Vec<Cmd> = runs
                 .iter()
                 .map(|r| {
                     let mut c = ::redis::cmd("HGET");
-                    c.arg(self.core.keys.ckpt(r)).arg("doc");
+                    c.arg(keys.ckpt(r)).arg("doc");
                     c
                 })
                 .collect();
             let answers = self.core.exec_many(what, &cmds).await?;
             let now = now_ms();
-            let mut dangling = Vec::new();
             for (r, a) in runs.iter().zip(answers) {
                 let doc: Option<String> = ::redis::from_redis_value(a.value(what)?)
                     .map_err(|e| corrupt(r, "reading the checkpoint", e))?;
                 let Some(doc) = doc else {
                     if is_dangling(r, now) {
-                        dangling.push(r.as_str());
+                        stale.push(r.as_str());
                     }
                     continue;
                 };
-                let c = Self::decode_checkpoint(r, &doc)?;
+                let c = match Self::decode_checkpoint(r, &doc) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        unreadable.push((r.clone(), e.to_string()));
+                        continue;
+                    }
+                };
+                let status_ok = filter.status.as_ref().is_none_or(|s| &c.status == s);
+                // A finished run never changes status again: its entry in another status's
+                // index is stale for good. (A live run's may be the next status, written
+                // just before its commit.)
+                if !status_ok && c.terminal {
+                    stale.push(r.as_str());
+                }
                 let keep = c.tenant == tenant
-                    && filter.status.as_ref().is_none_or(|s| &c.status == s)
+                    && status_ok
                     && filter.agent.as_ref().is_none_or(|a| &c.agent == a);
                 if keep {
                     items.push(c);
@@ -1446,12 +1647,12 @@ impl CheckpointStore for RedisStore {
                     }
                 }
             }
-            if !dangling.is_empty() {
+            if !stale.is_empty() {
                 let _: Value = self
                     .core
                     .query(
-                        "cleaning the tenant index",
-                        ::redis::cmd("ZREM").arg(&key).arg(&dangling),
+                        "cleaning a listing index",
+                        ::redis::cmd("ZREM").arg(&key).arg(&stale),
                     )
                     .await?;
             }
@@ -1462,7 +1663,9 @@ impl CheckpointStore for RedisStore {
                 upper = format!("({last}");
             }
         }
-        Ok(RunPage::from_newest_first(items, limit))
+        let mut page = RunPage::from_newest_first(items, limit);
+        page.unreadable = unreadable;
+        Ok(page)
     }
 
     async fn push_control(&self, run: &RunId, control: &Control) -> Result<u64> {

@@ -16,6 +16,8 @@
 //! same idempotency key, up to the tool's `max_attempts`, before the run — and the model —
 //! hear of it. `unsafe` tools are never retried here: their unknown outcomes go to the run's
 //! reconcile / operator path. Business errors (other 4xx) and permission errors are final.
+//! Each retry is reported to the run (`RetryNotice`, redacted and cut) before its wait, so it
+//! is an event on the run; the result the run gets is still only the last attempt's.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -47,6 +49,18 @@ pub enum ToolWork {
     },
 }
 
+/// One failed attempt the executor is about to try again: the attempt (from 1), its error
+/// (redacted, message cut) and the wait before the next attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryNotice {
+    pub attempt: u32,
+    pub error: ToolError,
+    pub wait: Duration,
+}
+
+/// Where retry notices of one call go.
+pub type OnRetry = Box<dyn Fn(RetryNotice) + Send + Sync>;
+
 /// What comes back.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolOutcome {
@@ -71,6 +85,7 @@ pub struct ToolJob {
     tool: Arc<dyn Tool>,
     ctx: ToolContext,
     work: ToolWork,
+    on_retry: Option<OnRetry>,
     reply: ReplyOnce<ToolOutcome>,
 }
 
@@ -114,6 +129,18 @@ impl ToolExecutor {
         work: ToolWork,
         reply: impl FnOnce(ToolOutcome) + Send + Sync + 'static,
     ) {
+        self.submit_observed(tool, ctx, work, None, reply);
+    }
+
+    /// Like `submit`; `on_retry` hears of every retry of the call before its wait.
+    pub fn submit_observed(
+        &self,
+        tool: Arc<dyn Tool>,
+        ctx: ToolContext,
+        work: ToolWork,
+        on_retry: Option<OnRetry>,
+        reply: impl FnOnce(ToolOutcome) + Send + Sync + 'static,
+    ) {
         let key = ctx.run_id.clone();
         self.pool.submit(
             key,
@@ -122,6 +149,7 @@ impl ToolExecutor {
                 tool,
                 ctx,
                 work,
+                on_retry,
                 reply: ReplyOnce::new(reply),
             },
         );
@@ -187,7 +215,13 @@ fn retry_wait(attempt: u32, retry_after: Option<Duration>) -> Option<Duration> {
 }
 
 /// Runs the call, retrying transient failures by the tool's class (see the module doc).
-async fn call_with_retries(tool: &dyn Tool, ctx: &ToolContext, arguments: Value) -> ToolResult {
+async fn call_with_retries(
+    tool: &dyn Tool,
+    ctx: &ToolContext,
+    arguments: Value,
+    redactor: &Redactor,
+    on_retry: Option<&OnRetry>,
+) -> ToolResult {
     let spec = tool.spec();
     let mut tries = 0;
     loop {
@@ -202,10 +236,26 @@ async fn call_with_retries(tool: &dyn Tool, ctx: &ToolContext, arguments: Value)
         let Some(wait) = retry_wait(tries, error.retry_after) else {
             return result;
         };
+        if ctx.cancel.is_cancelled() {
+            // The run no longer waits for this call: report the last failure, retry nothing.
+            return result;
+        }
+        let mut shown = ToolError::new(
+            error.code,
+            redactor.redact_then_cut(&error.message, MAX_ERROR_MESSAGE_CHARS),
+        );
+        shown.retry_after = error.retry_after;
         tracing::warn!(
             run_id = %ctx.run_id, call_id = %ctx.call_id, tool = %spec.name, attempt = tries,
-            ?wait, error = %error, "tool attempt failed; retrying with the same key"
+            ?wait, error = %shown, "tool attempt failed; retrying with the same key"
         );
+        if let Some(notify) = on_retry {
+            notify(RetryNotice {
+                attempt: tries,
+                error: shown,
+                wait,
+            });
+        }
         tokio::select! {
             () = tokio::time::sleep(wait) => {}
             // The run no longer waits for this call: report the last failure.
@@ -270,7 +320,14 @@ impl PoolJob for ToolJob {
         }
         let outcome = match work {
             ToolWork::Call { arguments } => {
-                let result = call_with_retries(self.tool.as_ref(), &self.ctx, arguments).await;
+                let result = call_with_retries(
+                    self.tool.as_ref(),
+                    &self.ctx,
+                    arguments,
+                    redactor,
+                    self.on_retry.as_ref(),
+                )
+                .await;
                 match self.ctx.long_running.accepted() {
                     Some(a) if result.ok => ToolOutcome::Accepted {
                         status_url: a.status_url.clone(),

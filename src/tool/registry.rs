@@ -214,4 +214,15 @@ impl ToolCatalog for AgentTools {
     fn guard(&self, name: &str) -> Option<&crate::run::guard::Guard> {
         self.allowed_spec(name).map(|s| &*s.guard)
     }
+
+    fn max_failures(&self, name: &str) -> u32 {
+        self.allowed_spec(name)
+            .map_or(crate::tool::DEFAULT_MAX_FAILURES, |s| s.max_failures)
+    }
+
+    fn on_permission_error(&self, name: &str) -> crate::tool::OnPermissionError {
+        self.allowed_spec(name)
+            .map(|s| s.on_permission_error)
+            .unwrap_or_default()
+    }
 }

@@ -131,6 +131,16 @@ async fn a_timed_out_attempt_drops_its_connection_and_is_retried() {
     })
     .await;
     assert_eq!(model.request_count(), 2);
+    // The gateway's retry is an event on the run.
+    let retries: Vec<Value> = events(&d, &id)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] == "model_retrying")
+        .collect();
+    assert_eq!(retries.len(), 1, "{retries:?}");
+    assert_eq!(retries[0]["data"]["attempt"], 1);
+    assert_eq!(retries[0]["data"]["error"]["kind"], "unavailable");
+    assert!(retries[0]["data"]["wait_ms"].as_u64().is_some());
     d.stop().await;
 }
 
@@ -179,14 +189,35 @@ async fn a_read_tool_failing_twice_with_503_is_retried_before_the_model_hears_of
         seen[0].get("error").is_none(),
         "the model saw an error: {seen:?}"
     );
-    // The run's record has one finished call, a success.
-    let finished: Vec<Value> = events(&d, &id)
-        .await
-        .into_iter()
+    // The run's record has one finished call, a success, after an event per retry.
+    let log = events(&d, &id).await;
+    let finished: Vec<&Value> = log
+        .iter()
         .filter(|e| e["type"] == "tool_call_finished")
         .collect();
     assert_eq!(finished.len(), 1);
     assert_eq!(finished[0]["data"]["ok"], true);
+    let retries: Vec<&Value> = log
+        .iter()
+        .filter(|e| e["type"] == "tool_retrying")
+        .collect();
+    assert_eq!(retries.len(), 2, "one event per retry: {log:?}");
+    for (i, r) in retries.iter().enumerate() {
+        let data = &r["data"];
+        assert_eq!(data["attempt"], i + 1, "{data}");
+        assert_eq!(data["call_id"], "call_1_0", "{data}");
+        assert_eq!(data["tool"], "lookup", "{data}");
+        assert_eq!(data["error"]["code"], "retryable", "{data}");
+        assert!(
+            data["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("restarting"),
+            "{data}"
+        );
+        assert!(data["wait_ms"].as_u64().is_some(), "{data}");
+        assert!(r["seq"].as_u64() < finished[0]["seq"].as_u64(), "{log:?}");
+    }
     d.stop().await;
 }
 

@@ -69,3 +69,6 @@ mod store_contract;
 mod support;
 /// Docs and code stay in step: module docs, the codemap, a pure core, no stubs.
 mod tidy;
+/// A tool that keeps failing waits for an operator (retry, skip, fail); permission errors of
+/// tools.
+mod tool_failing;

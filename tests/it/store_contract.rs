@@ -827,6 +827,122 @@ async fn client_key_retry_creates_the_missing_checkpoint(s: &dyn Store) {
     assert_eq!(s.read(&run, 0, 10).await.unwrap(), vec![ev(1)]);
 }
 
+/// The status and agent filters read indexes that follow every commit: after a seeded random
+/// walk of status changes over a dozen runs (two agents, finished runs never change again),
+/// every filtered listing, paged one at a time too, is exactly what the runs now are.
+async fn filtered_listings_follow_status_changes(s: &dyn Store) {
+    let tenant = format!("walk-{}", uuid::Uuid::new_v4().simple());
+    let runs = ids(12);
+    let mut current = Vec::new();
+    let mut leases = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        let mut c = ckpt(r, &tenant, 1);
+        c.status = "created".into();
+        c.agent = if i % 3 == 0 { "triage" } else { "demo" }.into();
+        s.create(&c, &[ev(1)], None).await.unwrap();
+        leases.push(s.claim(r, "node-a", TTL).await.unwrap());
+        current.push(c);
+    }
+    check_filtered_listings(s, &tenant, &current).await;
+    // A small linear congruential generator: the same walk every time.
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |n: usize| {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((seed >> 33) as usize) % n
+    };
+    for round in 0..48 {
+        let i = next(runs.len());
+        let c = &current[i];
+        // A finished run only gets late results: commits in the same status.
+        let status = if c.terminal {
+            c.status.clone()
+        } else {
+            STATUSES[next(STATUSES.len())].to_owned()
+        };
+        let mut n = c.clone();
+        n.version += 1;
+        n.terminal = matches!(status.as_str(), "succeeded" | "failed" | "cancelled");
+        n.status = status;
+        s.commit(&leases[i], &n, c.version, &[ev(n.version)])
+            .await
+            .unwrap();
+        current[i] = n;
+        if round % 12 == 11 {
+            check_filtered_listings(s, &tenant, &current).await;
+        }
+    }
+}
+
+const STATUSES: [&str; 7] = [
+    "created",
+    "running",
+    "waiting_approval",
+    "waiting_input",
+    "succeeded",
+    "failed",
+    "cancelled",
+];
+
+/// Every status (and status + agent, and agent) listing of `tenant` is exactly `current`'s.
+async fn check_filtered_listings(s: &dyn Store, tenant: &str, current: &[Checkpoint]) {
+    for status in STATUSES {
+        for agent in [None, Some("triage")] {
+            let expected: Vec<RunId> = current
+                .iter()
+                .rev()
+                .filter(|c| c.status == status && agent.is_none_or(|a| c.agent == a))
+                .map(|c| c.run_id.clone())
+                .collect();
+            let filter = RunFilter {
+                status: Some(status.into()),
+                agent: agent.map(str::to_owned),
+            };
+            let page = s.list_runs(tenant, &filter, None, 100).await.unwrap();
+            let got: Vec<RunId> = page.items.iter().map(|c| c.run_id.clone()).collect();
+            assert_eq!(got, expected, "status {status}, agent {agent:?}");
+            assert!(page.items.iter().all(|c| c.status == status));
+            // One at a time, through the cursor.
+            let mut paged = Vec::new();
+            let mut cursor: Option<String> = None;
+            loop {
+                let page = s
+                    .list_runs(tenant, &filter, cursor.as_deref(), 1)
+                    .await
+                    .unwrap();
+                paged.extend(page.items.iter().map(|c| c.run_id.clone()));
+                match page.next_cursor {
+                    Some(c) => cursor = Some(c),
+                    None => break,
+                }
+                assert!(paged.len() <= current.len(), "pagination does not end");
+            }
+            assert_eq!(paged, expected, "paged: status {status}, agent {agent:?}");
+        }
+    }
+    let triage = s
+        .list_runs(
+            tenant,
+            &RunFilter {
+                status: None,
+                agent: Some("triage".into()),
+            },
+            None,
+            100,
+        )
+        .await
+        .unwrap();
+    let expected: Vec<RunId> = current
+        .iter()
+        .rev()
+        .filter(|c| c.agent == "triage")
+        .map(|c| c.run_id.clone())
+        .collect();
+    let got: Vec<RunId> = triage.items.iter().map(|c| c.run_id.clone()).collect();
+    assert_eq!(got, expected);
+}
+
 macro_rules! contract {
     ($($check:ident),* $(,)?) => {
         mod memory {
@@ -892,6 +1008,7 @@ contract!(
     node_ids_are_held_by_one_instance,
     wakeups_block_time_out_and_deliver,
     client_key_retry_creates_the_missing_checkpoint,
+    filtered_listings_follow_status_changes,
 );
 
 /// The URL factory opens each kind.
@@ -1622,6 +1739,74 @@ mod redis_concurrency {
     }
 }
 
+/// Prints how long a status-filtered listing takes among many runs of other statuses
+/// (`LIST_BENCH_RUNS`, default 5000, 10 of them waiting), against reading every run of the
+/// tenant (what a filtered listing cost before the indexes). Figures only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_figures() {
+    let n: usize = std::env::var("LIST_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5000);
+    async fn fill(s: &dyn Store, n: usize) {
+        let body = "x".repeat(2048);
+        for (i, r) in ids(n).iter().enumerate() {
+            let mut c = ckpt(r, "bench", 1);
+            c.body = body.clone();
+            let waiting = i % (n / 10).max(1) == 0;
+            c.status = if waiting {
+                "waiting_approval"
+            } else {
+                "succeeded"
+            }
+            .into();
+            c.terminal = !waiting;
+            s.create(&c, &[ev(1)], None).await.unwrap();
+        }
+    }
+    async fn median_ms(s: &dyn Store, filter: &RunFilter, limit: usize) -> (f64, usize) {
+        let mut times = Vec::new();
+        let mut len = 0;
+        for _ in 0..7 {
+            let t = Instant::now();
+            len = s
+                .list_runs("bench", filter, None, limit)
+                .await
+                .unwrap()
+                .items
+                .len();
+            times.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        times.sort_by(f64::total_cmp);
+        (times[3], len)
+    }
+    let waiting = RunFilter {
+        status: Some("waiting_approval".into()),
+        agent: None,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = agentd::store::file::FileStore::open(dir.path())
+        .await
+        .unwrap();
+    let redis = crate::redis_support::shared_redis(|c| c).await;
+    let mut stores: Vec<(&str, &dyn Store)> = vec![("file", &file)];
+    if let Some(r) = &redis {
+        stores.push(("redis", r));
+    }
+    for (name, s) in stores {
+        fill(s, n).await;
+        let (filtered, found) = median_ms(s, &waiting, 50).await;
+        let (all, read) = median_ms(s, &RunFilter::default(), n).await;
+        eprintln!(
+            "{name} store, {n} runs: status-filtered page ({found} found) median {filtered:.2} ms; \
+             reading all {read} runs median {all:.2} ms"
+        );
+    }
+    if let Some(r) = redis {
+        crate::redis_support::drop_namespace(r.keys().namespace()).await;
+    }
+}
+
 /// Redis and Redis Cluster only: the indexes no script touches.
 mod redis_indexes {
     use super::*;
@@ -1654,6 +1839,81 @@ mod redis_indexes {
         .await;
         let active = s.active_runs().await.unwrap();
         assert!(active.contains(&live), "{active:?}");
+    }
+
+    /// A filtered listing reads only the runs its index selects: a run in another status
+    /// whose record is unreadable is not even read (an unfiltered listing reports it and
+    /// serves the rest). A namespace written before the indexes existed gets them at its
+    /// first filtered listing.
+    async fn filtered_listings_read_only_their_index(s: &RedisStore, url: &str) {
+        let k = s.keys().clone();
+        let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+        let runs = ids(4);
+        for (i, r) in runs.iter().enumerate() {
+            let mut c = ckpt(r, &tenant, 1);
+            c.status = if i == 0 {
+                "succeeded"
+            } else {
+                "waiting_approval"
+            }
+            .into();
+            c.terminal = i == 0;
+            c.agent = if i == 3 { "triage" } else { "demo" }.into();
+            s.create(&c, &[ev(1)], None).await.unwrap();
+        }
+        raw(
+            s,
+            ::redis::cmd("HSET")
+                .arg(k.ckpt(&runs[0]))
+                .arg("doc")
+                .arg("{not json"),
+            url,
+        )
+        .await;
+        let waiting = RunFilter {
+            status: Some("waiting_approval".into()),
+            agent: None,
+        };
+        let page = s.list_runs(&tenant, &waiting, None, 10).await.unwrap();
+        let got: Vec<RunId> = page.items.iter().map(|c| c.run_id.clone()).collect();
+        assert_eq!(got, vec![runs[3].clone(), runs[2].clone(), runs[1].clone()]);
+        assert!(page.unreadable.is_empty(), "{:?}", page.unreadable);
+        let all = s
+            .list_runs(&tenant, &RunFilter::default(), None, 10)
+            .await
+            .unwrap();
+        assert_eq!(all.items.len(), 3);
+        assert_eq!(all.unreadable.len(), 1);
+        assert_eq!(all.unreadable[0].0, runs[0]);
+
+        // As an earlier version left it: no status or agent index, no marker. A new store
+        // (another process) builds them on its first filtered listing.
+        for key in [
+            k.tenant_status_runs(&tenant, "waiting_approval"),
+            k.tenant_status_runs(&tenant, "succeeded"),
+            k.tenant_agent_runs(&tenant, "demo"),
+            k.tenant_agent_runs(&tenant, "triage"),
+            k.tenant_list_indexed(&tenant),
+        ] {
+            raw(s, ::redis::cmd("DEL").arg(key), url).await;
+        }
+        let fresh = RedisStore::open(
+            agentd::store::redis::RedisConfig::new(url)
+                .namespace(k.namespace())
+                .op_timeout(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+        let page = fresh.list_runs(&tenant, &waiting, None, 10).await.unwrap();
+        let got: Vec<RunId> = page.items.iter().map(|c| c.run_id.clone()).collect();
+        assert_eq!(got, vec![runs[3].clone(), runs[2].clone(), runs[1].clone()]);
+        let triage = RunFilter {
+            status: None,
+            agent: Some("triage".into()),
+        };
+        let page = fresh.list_runs(&tenant, &triage, None, 10).await.unwrap();
+        assert_eq!(page.items.len(), 1);
+        assert_eq!(page.items[0].run_id, runs[3]);
     }
 
     /// Index entries for runs that never got a checkpoint (their creator crashed between the
@@ -1752,6 +2012,8 @@ mod redis_indexes {
         dangling_entries_and_orphan_client_keys(&s, &crate::redis_support::shared_redis_url())
             .await;
         a_bad_active_entry_is_skipped(&s, &crate::redis_support::shared_redis_url()).await;
+        filtered_listings_read_only_their_index(&s, &crate::redis_support::shared_redis_url())
+            .await;
         crate::redis_support::drop_namespace(s.keys().namespace()).await;
     }
 
@@ -1763,6 +2025,7 @@ mod redis_indexes {
         let s = cluster.store(|c| c).await;
         dangling_entries_and_orphan_client_keys(&s, &cluster.url()).await;
         a_bad_active_entry_is_skipped(&s, &cluster.url()).await;
+        filtered_listings_read_only_their_index(&s, &cluster.url()).await;
     }
 
     /// Commits on a cluster: many runs committing at once, each with its own versions

@@ -13,7 +13,9 @@ use crate::run::budget::Budget;
 
 /// Tools: `echo` (read), `idem` (idempotent), `unsafe_tool`, `recon` (unsafe, reconcilable),
 /// `gate` (needs approval), `gate_auto` (needs approval, approved when it expires), `poll`
-/// (polling), `hidden` (registered, not allowed).
+/// (polling), `hidden` (registered, not allowed), `perm_ask` (read; a 401/403 waits for an
+/// operator), `sturdy` (read; never held however often it fails). Every other tool is held for
+/// an operator after 3 failures in a row.
 struct Catalog;
 
 impl ToolCatalog for Catalog {
@@ -26,7 +28,9 @@ impl ToolCatalog for Catalog {
             })
         };
         match name {
-            "echo" | "gate" | "gate_auto" => info(ToolEffect::Read, false, false),
+            "echo" | "gate" | "gate_auto" | "perm_ask" | "sturdy" => {
+                info(ToolEffect::Read, false, false)
+            }
             "poll" => info(ToolEffect::Read, true, false),
             "idem" => info(ToolEffect::Idempotent, false, false),
             "unsafe_tool" => info(ToolEffect::Unsafe, false, false),
@@ -51,10 +55,22 @@ impl ToolCatalog for Catalog {
     }
 
     fn on_approval_timeout(&self, name: &str) -> ApprovalTimeoutAction {
-        if name == "gate_auto" {
+        if name == "gate_auto" || name == "idem" {
             ApprovalTimeoutAction::Approve
         } else {
             ApprovalTimeoutAction::Reject
+        }
+    }
+
+    fn max_failures(&self, name: &str) -> u32 {
+        if name == "sturdy" { 0 } else { 3 }
+    }
+
+    fn on_permission_error(&self, name: &str) -> OnPermissionError {
+        if name == "perm_ask" {
+            OnPermissionError::Operator
+        } else {
+            OnPermissionError::Fail
         }
     }
 }
@@ -719,14 +735,27 @@ fn resume_reissues_in_flight_work_by_policy() {
         })
         .collect();
     // Done calls are kept; idempotent resent; reconcilable checked; unsafe parked for an
-    // operator, which holds back the resend until it is decided.
+    // operator, which holds back the resend until it is decided. The status check in flight
+    // is answered before the run waits for the operator (its reply needs `running`).
     assert_eq!(kinds, ["check"]);
-    assert_eq!(s.status, Status::WaitingApproval);
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::Reconciling)));
     assert_eq!(s.calls[0].status, CallStatus::Done);
     assert_eq!(s.calls[1].status, CallStatus::Ready);
     assert_eq!(s.calls[3].status, CallStatus::OutcomeUnknown);
     assert_eq!(t.data["outcome_unknown"], json!(["call_1_3"]));
     assert_eq!(s.usage.tool_calls, 4, "nothing is charged twice");
+    let epoch = s.epoch;
+    let t = go(
+        &mut s,
+        RunEvent::StatusChecked {
+            epoch,
+            call_id: "call_1_2".parse().unwrap(),
+            outcome: Ok(Some(ok())),
+        },
+    );
+    assert_eq!(t.kind, "call_reconciled");
+    assert_eq!(s.status, Status::WaitingApproval);
+    assert_eq!(s.calls[2].status, CallStatus::Done);
 
     let mut s = running();
     replied(&mut s, reply_text("final"));
@@ -959,6 +988,568 @@ fn no_progress_escalates_to_a_forced_final_turn_then_fails() {
     assert_eq!(s.error.as_ref().unwrap().code, "no_progress");
 }
 
+// ---- a tool that keeps failing, permission errors, retries ----
+
+/// One turn calling `tool`, answered with `result`. Arguments and error messages differ per
+/// turn, so the repeat rules of no-progress stay out of the way.
+fn call_turn(s: &mut RunState, tool: &str, mut result: ToolResult) -> Transition {
+    let args = json!({ "text": format!("turn {}", s.turn) }).to_string();
+    replied(s, reply_calls(&[(tool, &args)]));
+    if let Some(e) = &mut result.error {
+        e.message = format!("{} (turn {})", e.message, s.turn);
+    }
+    let call = s.calls[0].call_id.to_string();
+    finish_tool(s, &call, result)
+}
+
+/// The content of the newest tool message.
+fn last_tool_message(s: &RunState) -> Value {
+    let content = s
+        .messages
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            Message::Tool { content, .. } => Some(content.clone()),
+            _ => None,
+        })
+        .unwrap();
+    serde_json::from_str(&content).unwrap()
+}
+
+fn failed() -> ToolResult {
+    ToolResult::failure(ToolError::new(ToolErrorCode::Failed, "the tool broke"))
+}
+
+/// `echo` failed twice (answered to the model) and a third time: held for an operator.
+fn held_after_three_failures() -> RunState {
+    let mut s = running();
+    for n in 1..=2 {
+        let t = call_turn(&mut s, "echo", failed());
+        assert_eq!(t.kind, "tool_call_finished");
+        assert!(t.data.get("held").is_none(), "{}", t.data);
+        assert!(
+            has_call_model(&t, ToolChoice::Auto),
+            "failure {n} goes to the model"
+        );
+        assert_eq!(last_tool_message(&s)["error"]["code"], "failed");
+        assert_eq!(s.tool_failures, [("echo".to_owned(), n)]);
+    }
+    let t = call_turn(&mut s, "echo", failed());
+    assert_eq!(t.kind, "tool_call_finished");
+    assert_eq!(t.data["held"], "tool_failing");
+    assert_eq!(t.data["failures"], 3);
+    assert_eq!(t.data["status"], "waiting_approval");
+    assert!(t.effects.is_empty());
+    assert_eq!(where_(&s), (Status::WaitingApproval, None));
+    let c = &s.calls[0];
+    assert_eq!(
+        (c.status, c.hold),
+        (CallStatus::AwaitingApproval, Some(HoldReason::ToolFailing))
+    );
+    assert_eq!(c.awaiting_since_ms, Some(10));
+    assert_eq!(
+        c.result.as_ref().unwrap().error_code(),
+        Some(ToolErrorCode::Failed)
+    );
+    assert_eq!(s.pending_approvals().count(), 1);
+    // The operator's decision replaces the no-progress escalation for these failures.
+    assert_eq!((s.progress.failure_streak, s.progress.stale_turns), (0, 0));
+    s
+}
+
+#[test]
+fn a_tool_failing_three_times_in_a_row_waits_for_an_operator_who_retries_it() {
+    let mut s = held_after_three_failures();
+    let messages = s.messages.len();
+    let key = s.calls[0].key.clone();
+    let t = go(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_3_0".parse().unwrap(),
+            arguments: None,
+            by: Some("ops".into()),
+        },
+    );
+    assert_eq!(t.kind, "call_approved");
+    assert_eq!(t.data["held"], "tool_failing");
+    assert!(
+        matches!(&t.effects[..], [Effect::ExecuteTool { call_id, .. }] if call_id.to_string() == "call_3_0")
+    );
+    assert_eq!(t.data["dispatched"][0]["key"], json!(key), "the same key");
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::ExecutingTools)));
+    assert_eq!((s.calls[0].attempts, s.calls[0].hold), (2, None));
+    assert_eq!(s.usage.tool_calls, 3, "a retry is not a new tool call");
+    assert_eq!(
+        s.messages.len(),
+        messages,
+        "the model heard nothing of the held failure"
+    );
+    let t = finish_tool(&mut s, "call_3_0", ok());
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    assert_eq!(last_tool_message(&s)["ok"], true);
+    assert!(s.tool_failures.is_empty(), "a success clears the count");
+}
+
+#[test]
+fn a_failed_retry_is_held_again_and_a_skip_tells_the_model() {
+    let mut s = held_after_three_failures();
+    go(
+        &mut s,
+        RunEvent::Approve {
+            call_id: "call_3_0".parse().unwrap(),
+            arguments: None,
+            by: None,
+        },
+    );
+    let t = finish_tool(&mut s, "call_3_0", failed());
+    assert_eq!(
+        t.data["held"], "tool_failing",
+        "still failing: back to the operator"
+    );
+    assert_eq!(t.data["failures"], 4);
+    assert_eq!(s.status, Status::WaitingApproval);
+    let t = go(
+        &mut s,
+        RunEvent::Reject {
+            call_id: "call_3_0".parse().unwrap(),
+            reason: Some("the service is down for the day".into()),
+            by: None,
+        },
+    );
+    assert_eq!(t.kind, "call_rejected");
+    assert_eq!(t.data["held"], "tool_failing");
+    assert!(has_call_model(&t, ToolChoice::Auto));
+    let seen = last_tool_message(&s);
+    assert_eq!(seen["ok"], false);
+    assert_eq!(seen["error"]["code"], "skipped", "{seen}");
+    let message = seen["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("an operator skipped this call")
+            && message.contains("failed 4 times in a row")
+            && message.contains("the tool broke")
+            && message.contains("down for the day"),
+        "{message}"
+    );
+    assert!(
+        s.tool_failures.is_empty(),
+        "after a skip the count starts over"
+    );
+    // The model tries again: two more failures go to it, the third is held again.
+    call_turn(&mut s, "echo", failed());
+    assert_eq!(s.status, Status::Running);
+    call_turn(&mut s, "echo", failed());
+    assert_eq!(s.status, Status::Running);
+    call_turn(&mut s, "echo", failed());
+    assert_eq!(s.status, Status::WaitingApproval);
+}
+
+#[test]
+fn an_operator_can_fail_the_run_at_a_held_call() {
+    let mut s = held_after_three_failures();
+    let t = go(
+        &mut s,
+        RunEvent::Fail {
+            call_id: "call_3_0".parse().unwrap(),
+            reason: Some("broken upstream".into()),
+            by: Some("ops".into()),
+        },
+    );
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(t.data["cause"], "call_failed");
+    assert_eq!(t.data["held"], "tool_failing");
+    assert!(terminal_effects(&t));
+    let e = s.error.clone().unwrap();
+    assert_eq!(e.code, "tool_failing");
+    assert!(
+        e.message.contains("broken upstream") && e.message.contains("the tool broke"),
+        "{}",
+        e.message
+    );
+    assert_eq!(s.failed_call, Some("call_3_0".parse().unwrap()));
+    // Through the inbox: the same decision again is a repeat, anything else is refused.
+    let fail = Control::Fail {
+        call_id: "call_3_0".parse().unwrap(),
+        reason: None,
+        by: None,
+    };
+    assert_eq!(
+        apply_control(&mut s, 1, fail, &cx(10)),
+        ControlStep::Repeated
+    );
+    let reject = Control::Reject {
+        call_id: "call_3_0".parse().unwrap(),
+        reason: None,
+        by: None,
+    };
+    assert!(matches!(
+        apply_control(&mut s, 2, reject, &cx(10)),
+        ControlStep::Refused(None, _)
+    ));
+}
+
+#[test]
+fn fail_fits_only_a_call_waiting_for_an_operator_and_names_why_it_waited() {
+    // A policy approval failed by the operator: approval_denied.
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("gate", "{}")]));
+    let t = go(
+        &mut s,
+        RunEvent::Fail {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: None,
+            by: None,
+        },
+    );
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(s.error.unwrap().code, "approval_denied");
+    // Not waiting: refused, nothing changes.
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("echo", "{}")]));
+    let before = s.clone();
+    let e = step(
+        &mut s,
+        RunEvent::Fail {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: None,
+            by: None,
+        },
+        &cx(10),
+    )
+    .unwrap_err();
+    assert_eq!(e.code, "invalid_state");
+    assert_eq!(s, before);
+    let mut s = held_after_three_failures();
+    let e = step(
+        &mut s,
+        RunEvent::Fail {
+            call_id: "call_9_0".parse().unwrap(),
+            reason: None,
+            by: None,
+        },
+        &cx(10),
+    )
+    .unwrap_err();
+    assert_eq!(e.code, "unknown_call");
+}
+
+#[test]
+fn only_failures_of_the_same_tool_in_a_row_count() {
+    // (results of each turn's one call, as (tool, result); whether the last is held)
+    let ok_echo = || ("echo", ok());
+    let fail = |tool| (tool, failed());
+    let code = |tool, c| (tool, err(c));
+    let rows: Vec<(Vec<(&str, ToolResult)>, bool)> = vec![
+        (vec![fail("echo"), fail("echo"), fail("echo")], true),
+        (
+            vec![
+                fail("echo"),
+                fail("echo"),
+                ok_echo(),
+                fail("echo"),
+                fail("echo"),
+            ],
+            false,
+        ),
+        (
+            vec![fail("echo"), fail("idem"), fail("echo"), fail("idem")],
+            false,
+        ),
+        (
+            vec![
+                fail("echo"),
+                fail("idem"),
+                fail("echo"),
+                fail("idem"),
+                fail("echo"),
+            ],
+            true,
+        ),
+        // Transient classes count (after the executor's own retries).
+        (
+            vec![
+                code("echo", ToolErrorCode::Retryable),
+                code("echo", ToolErrorCode::Timeout),
+                code("echo", ToolErrorCode::Failed),
+            ],
+            true,
+        ),
+        // The model's mistakes and the runtime's refusals are not the tool failing.
+        (
+            vec![
+                code("echo", ToolErrorCode::InvalidArgument),
+                code("echo", ToolErrorCode::InvalidArgument),
+                code("echo", ToolErrorCode::InvalidArgument),
+            ],
+            false,
+        ),
+        // max_failures = 0: never held.
+        (vec![fail("sturdy"), fail("sturdy"), fail("sturdy")], false),
+    ];
+    for (turns, held) in rows {
+        let mut s = running();
+        let n = turns.len();
+        for (i, (tool, result)) in turns.into_iter().enumerate() {
+            let t = call_turn(&mut s, tool, result);
+            let is_held = s.status == Status::WaitingApproval;
+            if i + 1 < n {
+                assert!(!is_held, "held too early at turn {}: {}", i + 1, t.data);
+            } else {
+                assert_eq!(is_held, held, "{}", t.data);
+            }
+            if s.is_terminal() {
+                break;
+            }
+        }
+    }
+}
+
+#[test]
+fn a_tool_that_is_never_held_still_meets_the_no_progress_rules() {
+    let mut s = running();
+    let mut nudged = false;
+    for _ in 0..3 {
+        call_turn(&mut s, "sturdy", failed());
+        nudged |= s
+            .messages
+            .iter()
+            .any(|m| matches!(m, Message::User { content } if content.contains("failed in a row")));
+    }
+    assert!(nudged, "failure_limit = 3 nudges the model");
+    assert_eq!(s.status, Status::Running);
+}
+
+#[test]
+fn calls_in_flight_are_answered_before_the_run_waits_for_the_operator() {
+    let mut s = running();
+    call_turn(&mut s, "echo", failed());
+    call_turn(&mut s, "echo", failed());
+    replied(
+        &mut s,
+        reply_calls(&[("echo", r#"{"text":"b"}"#), ("idem", r#"{"text":"c"}"#)]),
+    );
+    let t = finish_tool(&mut s, "call_3_0", failed());
+    assert_eq!(t.data["held"], "tool_failing");
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::ExecutingTools)));
+    let t = finish_tool(&mut s, "call_3_1", ok());
+    assert_eq!(t.data["status"], "waiting_approval");
+    assert_eq!(s.calls[1].status, CallStatus::Done);
+    // Skipping the held call finishes the batch: both answers reach the model, in order.
+    go(
+        &mut s,
+        RunEvent::Reject {
+            call_id: "call_3_0".parse().unwrap(),
+            reason: None,
+            by: None,
+        },
+    );
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::AwaitingModel)));
+    let tools: Vec<&Message> = s
+        .messages
+        .iter()
+        .rev()
+        .filter(|m| matches!(m, Message::Tool { .. }))
+        .take(2)
+        .collect();
+    assert!(matches!(tools[1], Message::Tool { content, .. } if content.contains("skipped")));
+    assert!(matches!(tools[0], Message::Tool { content, .. } if content.contains(r#""ok":true"#)));
+}
+
+#[test]
+fn an_expired_hold_takes_the_tools_default_decision() {
+    // echo: reject on expiry, i.e. skip.
+    let mut s = held_after_three_failures();
+    let t = go(
+        &mut s,
+        RunEvent::ApprovalExpired {
+            call_id: "call_3_0".parse().unwrap(),
+        },
+    );
+    assert_eq!(t.kind, "approval_expired");
+    assert_eq!(t.data["held"], "tool_failing");
+    assert_eq!(t.data["action"], "reject");
+    let seen = last_tool_message(&s);
+    assert_eq!(seen["error"]["code"], "skipped");
+    assert!(
+        seen["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no operator decided in time")
+    );
+    // idem: approve on expiry, i.e. run it again with the same key.
+    let mut s = running();
+    for _ in 0..3 {
+        call_turn(&mut s, "idem", failed());
+    }
+    assert_eq!(s.status, Status::WaitingApproval);
+    let key = s.calls[0].key.clone();
+    let t = go(
+        &mut s,
+        RunEvent::ApprovalExpired {
+            call_id: "call_3_0".parse().unwrap(),
+        },
+    );
+    assert_eq!(t.data["action"], "approve");
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    assert_eq!(t.data["dispatched"][0]["key"], json!(key));
+    assert_eq!(s.calls[0].hold, None);
+}
+
+#[test]
+fn a_held_call_survives_a_checkpoint_and_a_restart() {
+    let mut s = held_after_three_failures();
+    let body = crate::run::format::encode(&s).unwrap();
+    let mut back = crate::run::format::decode(&body).unwrap();
+    assert_eq!(back, s);
+    let t = go(&mut back, RunEvent::Resume);
+    assert_eq!(t.kind, "run_resumed");
+    assert!(t.effects.is_empty());
+    assert_eq!(back.calls[0].hold, Some(HoldReason::ToolFailing));
+    let t = go(
+        &mut back,
+        RunEvent::Approve {
+            call_id: "call_3_0".parse().unwrap(),
+            arguments: None,
+            by: None,
+        },
+    );
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    go(&mut s, RunEvent::Cancel { reason: None });
+}
+
+#[test]
+fn a_permission_error_ends_the_run_or_waits_by_the_tools_policy() {
+    let denied = || {
+        ToolResult::failure(ToolError::new(
+            ToolErrorCode::Permission,
+            "HTTP 403: forbidden",
+        ))
+    };
+    // Default: the run ends permission_denied at once.
+    let mut s = running();
+    let t = call_turn(&mut s, "echo", denied());
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(t.data["cause"], "tool_call_finished");
+    assert!(terminal_effects(&t));
+    let e = s.error.clone().unwrap();
+    assert_eq!(e.code, "permission_denied");
+    assert!(e.message.contains("HTTP 403"), "{}", e.message);
+    assert!(
+        s.tool_failures.is_empty(),
+        "not counted as the tool failing"
+    );
+
+    // on_permission_error = "operator": held, reason permission_error.
+    let mut s = running();
+    let t = call_turn(&mut s, "perm_ask", denied());
+    assert_eq!(t.data["held"], "permission_error");
+    assert!(t.data.get("failures").is_none());
+    assert_eq!(s.status, Status::WaitingApproval);
+    assert_eq!(s.calls[0].hold, Some(HoldReason::PermissionError));
+    let mut skipped = s.clone();
+    go(
+        &mut skipped,
+        RunEvent::Reject {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: None,
+            by: None,
+        },
+    );
+    let seen = last_tool_message(&skipped);
+    assert_eq!(seen["error"]["code"], "skipped");
+    assert!(
+        seen["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("lack of permission")
+    );
+    let mut retried = s.clone();
+    let t = go(
+        &mut retried,
+        RunEvent::Approve {
+            call_id: "call_1_0".parse().unwrap(),
+            arguments: None,
+            by: None,
+        },
+    );
+    assert!(matches!(&t.effects[..], [Effect::ExecuteTool { .. }]));
+    go(
+        &mut s,
+        RunEvent::Fail {
+            call_id: "call_1_0".parse().unwrap(),
+            reason: None,
+            by: None,
+        },
+    );
+    assert_eq!(s.error.unwrap().code, "permission_denied");
+}
+
+#[test]
+fn retries_of_the_pools_are_recorded_and_change_nothing_else() {
+    let mut s = running();
+    replied(&mut s, reply_calls(&[("echo", "{}")]));
+    let before = s.clone();
+    let epoch = s.epoch;
+    let retrying = |epoch, call: &str| RunEvent::ToolRetrying {
+        epoch,
+        call_id: call.parse().unwrap(),
+        attempt: 1,
+        error: ToolError::new(
+            ToolErrorCode::Retryable,
+            "HTTP 503: ".to_owned() + &"x".repeat(900),
+        ),
+        wait_ms: 120,
+    };
+    let t = go(&mut s, retrying(epoch, "call_1_0"));
+    assert_eq!(t.kind, "tool_retrying");
+    assert!(t.effects.is_empty());
+    assert_eq!(t.data["call_id"], "call_1_0");
+    assert_eq!(t.data["tool"], "echo");
+    assert_eq!(t.data["attempt"], 1);
+    assert_eq!(t.data["wait_ms"], 120);
+    assert_eq!(t.data["error"]["code"], "retryable");
+    assert!(
+        t.data["error"]["message"].as_str().unwrap().chars().count() <= 501,
+        "bounded"
+    );
+    assert_eq!(t.data["status"], "running");
+    assert_eq!(s.version, before.version + 1);
+    s.version = before.version;
+    s.updated_at_ms = before.updated_at_ms;
+    assert_eq!(s, before, "nothing but the version changes");
+    // A stale epoch, an unknown call, or the wrong phase: ignored.
+    assert_eq!(
+        go(&mut s, retrying(epoch - 1, "call_1_0")).kind,
+        "late_result_ignored"
+    );
+    assert_eq!(
+        go(&mut s, retrying(epoch, "call_1_5")).kind,
+        "late_result_ignored"
+    );
+    let model_retry = |epoch| RunEvent::ModelRetrying {
+        epoch,
+        attempt: 2,
+        error: ModelError::new(ModelErrorKind::Unavailable, "connection refused"),
+        wait_ms: 300,
+    };
+    assert_eq!(go(&mut s, model_retry(epoch)).kind, "late_result_ignored");
+    // The model's turn.
+    finish_tool(&mut s, "call_1_0", ok());
+    let epoch = s.epoch;
+    let t = go(&mut s, model_retry(epoch));
+    assert_eq!(t.kind, "model_retrying");
+    assert_eq!(t.data["attempt"], 2);
+    assert_eq!(t.data["error"]["kind"], "unavailable");
+    assert_eq!(t.data["wait_ms"], 300);
+    assert_eq!(where_(&s), (Status::Running, Some(Phase::AwaitingModel)));
+    assert_eq!(
+        go(&mut s, model_retry(epoch - 1)).kind,
+        "late_result_ignored"
+    );
+    // After the end: recorded as late.
+    go(&mut s, RunEvent::Cancel { reason: None });
+    assert_eq!(go(&mut s, model_retry(epoch)).kind, "late_result_ignored");
+}
+
 // ---- properties ----
 
 fn arb_event() -> impl Strategy<Value = RunEvent> {
@@ -973,6 +1564,8 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
         "hidden",
         "nope",
         "ask_user",
+        "perm_ask",
+        "sturdy",
     ]);
     let args = prop::sample::select(vec![
         r#"{"text":"a"}"#,
@@ -994,6 +1587,8 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
         ToolErrorCode::OutcomeUnknown,
         ToolErrorCode::Overloaded,
         ToolErrorCode::Failed,
+        ToolErrorCode::Retryable,
+        ToolErrorCode::Permission,
     ]);
     let result = prop_oneof![Just(ok()), code.prop_map(err)];
     prop_oneof![
@@ -1029,10 +1624,30 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
             arguments: None,
             by: None,
         }),
-        call.prop_map(|call_id| RunEvent::Reject {
+        call.clone().prop_map(|call_id| RunEvent::Reject {
             call_id,
             reason: None,
             by: None,
+        }),
+        call.clone().prop_map(|call_id| RunEvent::Fail {
+            call_id,
+            reason: None,
+            by: None,
+        }),
+        call.clone()
+            .prop_map(|call_id| RunEvent::ApprovalExpired { call_id }),
+        (0u64..6, call).prop_map(|(epoch, call_id)| RunEvent::ToolRetrying {
+            epoch,
+            call_id,
+            attempt: 1,
+            error: ToolError::new(ToolErrorCode::Retryable, "503"),
+            wait_ms: 5,
+        }),
+        (0u64..6).prop_map(|epoch| RunEvent::ModelRetrying {
+            epoch,
+            attempt: 1,
+            error: ModelError::new(ModelErrorKind::Unavailable, "503"),
+            wait_ms: 5,
         }),
         Just(RunEvent::Input { text: "hi".into() }),
         Just(RunEvent::DeadlineReached),
