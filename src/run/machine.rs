@@ -52,9 +52,9 @@
 //! | running/executing_tools | RetryDue | advance batch | ExecuteTool… | tool_retry |
 //! | running/reconciling | StatusChecked | advance batch | … | call_reconciled |
 //! | running/executing_tools | ToolAccepted (call dispatched) | advance batch, the call `awaiting_result` (status URL, deadline = now + `timeout_ms`); nothing else in flight → running/awaiting_tool | PollTool, … | tool_call_accepted |
-//! | running, waiting_approval | ToolPolled (call awaiting its result) | advance batch, the call done with the polled result | … | tool_call_finished (`via: poll`) |
-//! | running, waiting_approval | CallbackResult (call dispatched or awaiting its result) | advance batch, the call done with the tool's result (first result wins) | … | tool_call_finished (`via: callback`) |
-//! | running, waiting_approval | CallDeadline (call awaiting its result) | advance batch, the call done with a `timeout` error | … | tool_call_finished (`via: deadline`) |
+//! | running, waiting_approval | ToolPolled (call awaiting its result) | advance batch, the polled result judged ("judge the result") | … | tool_call_finished (`via: poll`) |
+//! | running, waiting_approval | CallbackResult (call dispatched or awaiting its result) | advance batch, the tool's result judged (first result wins) | … | tool_call_finished (`via: callback`) |
+//! | running, waiting_approval | CallDeadline (call awaiting its result) | advance batch, a `timeout` error judged | … | tool_call_finished (`via: deadline`) |
 //! | * | CallbackResult for a call that already has its result (`apply_control`) | same, the control consumed | — | late_result_ignored |
 //! | running/verifying | VerificationDone: ok | succeeded | Finish | run_succeeded |
 //! | running/verifying | VerificationDone: rejected | next turn, or failed (`verification_failed`) | CallModel | verification_rejected |

@@ -287,3 +287,23 @@ fn a_callback_for_a_call_that_is_not_waiting_is_refused() {
     assert_eq!(e.code, "invalid_state");
     assert_eq!(s, before);
 }
+
+#[test]
+fn long_running_results_are_judged_like_any_result_of_a_call_that_ran() {
+    // A 401/403 by poll ends the run `permission_denied` (the tool's default policy).
+    let mut s = dispatched(&["echo"]);
+    accept(&mut s, "call_1_0", Some(URL));
+    let t = polled(&mut s, "call_1_0", err(ToolErrorCode::Permission));
+    assert_eq!(t.kind, "run_failed");
+    assert_eq!(s.error.as_ref().unwrap().code, "permission_denied");
+    // A failure by callback counts towards the tool's failures in a row.
+    let mut s = dispatched(&["echo"]);
+    go(
+        &mut s,
+        RunEvent::CallbackResult {
+            call_id: call("call_1_0"),
+            result: err(ToolErrorCode::Failed),
+        },
+    );
+    assert_eq!(s.tool_failures, vec![("echo".to_owned(), 1)]);
+}
