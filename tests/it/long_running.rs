@@ -498,3 +498,62 @@ async fn a_callback_through_another_node_completes_the_call() {
     b.stop().await;
     a.stop().await;
 }
+
+/// Panics the run's actor once, right before the first final poll answer is applied.
+struct PanicOnFirstPoll(std::sync::atomic::AtomicBool);
+
+impl agentd::runtime::actor::FaultInjector for PanicOnFirstPoll {
+    fn panic_before(&self, _run: &agentd::run::RunState, event: &agentd::run::RunEvent) -> bool {
+        matches!(event, agentd::run::RunEvent::ToolPolled { .. })
+            && !self.0.swap(true, std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actor_crash_while_awaiting_resumes_polling_and_never_resends_the_call() {
+    use std::sync::Arc;
+
+    use agentd::agent::AgentSpec;
+    use agentd::model::scripted::{ScriptedModel, turn_of};
+    use agentd::tool::ToolSpec;
+    use agentd::tool::http::HttpTool;
+
+    use crate::support::{Builder, calls, text};
+
+    let server = LongTool::start().await;
+    server.answer(PollAnswer::Done(json!({"value": "result-42"})));
+    let spec =
+        ToolSpec::new("long_job", "d", json!({"type": "object"})).timeout(Duration::from_secs(2));
+    let spec = ToolSpec {
+        poll_interval: Duration::from_millis(20),
+        poll_max_interval: Duration::from_millis(50),
+        ..spec
+    };
+    let tool = HttpTool::new(spec, &server.url("/job"), None).unwrap();
+    let model = ScriptedModel::from_fn("m", |req| {
+        Ok(match turn_of(req) {
+            1 => calls(&[("long_job", json!({}))]),
+            _ => text("done"),
+        })
+    });
+    let mut b = Builder::new()
+        .tool(Arc::new(tool))
+        .model(model)
+        .agent(AgentSpec::new("a", "m").tools(["long_job"]));
+    b.faults = Some(Arc::new(PanicOnFirstPoll(Default::default())));
+    let h = b.start().await;
+    let id = h.start_run("a", "go").await;
+    let run = h.finish(&id).await;
+    assert_eq!(run.status, agentd::run::Status::Succeeded, "{run:?}");
+    let kinds = h.kinds(&id).await;
+    assert!(kinds.contains(&"run_resumed".to_owned()), "{kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "tool_call_accepted").count(),
+        1
+    );
+    // The crashed incarnation's poll was lost; the resumed one polled again, and the call
+    // itself was sent once.
+    assert!(server.polls() >= 2, "{}", server.polls());
+    assert_eq!(server.calls().len(), 1);
+    h.shutdown().await;
+}
