@@ -130,6 +130,23 @@ async fn a_202_call_is_completed_by_polling_its_status_url() {
     // One call, never resent; every poll went to the status URL of that call.
     assert_eq!(tool.calls().len(), 1);
     assert!(tool.polls() >= 4, "{}", tool.polls());
+    let metrics = d
+        .http
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let sent: usize = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("agentd_tool_polls_total "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(sent, tool.polls(), "{metrics}");
     assert_token_hidden(&d, &id, &token).await;
     d.stop().await;
 }

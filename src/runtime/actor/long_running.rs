@@ -188,6 +188,9 @@ pub(super) fn on_due(
     };
     slot.in_flight = true;
     slot.due_at_ms = None;
+    deps.metrics
+        .tool_polls
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ctx = ToolContext {
         tenant: run.tenant.clone(),
         run_id: run.id.clone(),
