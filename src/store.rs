@@ -103,6 +103,12 @@ pub enum Control {
     Input {
         text: String,
     },
+    /// A long-running tool's result for one call, sent through the callback route (its
+    /// per-call token was checked before the entry was stored; the token is not stored).
+    CallResult {
+        call_id: CallId,
+        result: crate::tool::ToolResult,
+    },
     /// An operator's decision `fail` on a call waiting for one: end the run `failed`.
     Fail {
         call_id: CallId,

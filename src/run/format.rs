@@ -8,7 +8,9 @@
 //! - 3: the transcript is no longer in the body: it is stored apart, append-only, one entry
 //!   per message, and the body records `transcript_len`, how many entries belong to it (so a
 //!   body whose transcript is shorter is torn, refused as corrupt; entries beyond it belong to
-//!   a later version). `messages` is written empty.
+//!   a later version). `messages` is written empty. Also new in 3: long-running tool calls
+//!   (phase `awaiting_tool`, call status `awaiting_result` and the call's `task`: status URL,
+//!   deadline), names a build that knows only version 2 refuses instead of misreading.
 
 use serde::{Deserialize, Serialize};
 

@@ -9,7 +9,8 @@
 //! Secrets: every event's data passes the runtime's redactor before it is committed, and so
 //! does every tool result before it enters the run (so configured secrets never reach the
 //! checkpoint, the model or the event log). A call waiting for approval whose tool has an
-//! `approval_timeout` gets a timer that delivers `RunEvent::ApprovalExpired`.
+//! `approval_timeout` gets a timer that delivers `RunEvent::ApprovalExpired`. Calls a tool
+//! accepted to finish later are polled by timers and short pool jobs (`long_running`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -18,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio_util::sync::CancellationToken;
+
+mod long_running;
 
 use super::ownership::LeaseBook;
 use crate::agent::Agent;
@@ -64,6 +67,14 @@ pub enum RunMsg {
     /// The run has been waiting (approval or input) since `version`: if nothing changed, stop
     /// the actor; the run stays in the store and is rehydrated by its next message.
     Passivate { version: u64 },
+    /// A long-running call's poll timer fired (`long_running`).
+    PollDue { epoch: u64, call_id: CallId },
+    /// A poll of a long-running call answered.
+    Polled {
+        epoch: u64,
+        call_id: CallId,
+        outcome: Result<Option<ToolResult>, ToolError>,
+    },
 }
 
 /// The answer to a control: the state after it was consumed, or why it did not apply.
@@ -173,6 +184,8 @@ pub struct RunDeps {
     pub leases: LeaseBook,
     /// Runs this node left alone because its definition of their agent differs.
     pub mismatched: dashmap::DashMap<RunId, ()>,
+    /// The callback route long-running tools complete calls through (`None`: not offered).
+    pub callbacks: Option<Arc<crate::tool::callback::Callbacks>>,
 }
 
 /// Start arguments.
@@ -223,6 +236,8 @@ struct Live {
     refused_here: HashMap<u64, InvalidTransition>,
     /// Tool effects held back because the lease was not confirmed recently enough.
     deferred: Vec<Effect>,
+    /// Long-running calls being polled in this incarnation.
+    polls: long_running::Polls,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -370,7 +385,11 @@ impl Actor for RunActor {
             }
             return Ok(());
         };
-        if let RunMsg::Event(RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }) = &msg
+        if let RunMsg::Event(
+            RunEvent::ToolFinished { .. }
+            | RunEvent::StatusChecked { .. }
+            | RunEvent::ToolAccepted { .. },
+        ) = &msg
         {
             live.tools_in_flight = live.tools_in_flight.saturating_sub(1);
         }
@@ -546,7 +565,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
     let waiting = matches!(
         live.run.status,
         crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
-    );
+    ) || long_running::is_awaiting_tool(&live);
     let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
         Boot::Start => Some(RunEvent::Start),
         Boot::Recover => Some(RunEvent::Resume),
@@ -562,6 +581,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
         None => {
             // Rehydrated while waiting: re-arm its timers and let it passivate again.
             arm_approval_timers(myself, &mut live, now_ms());
+            long_running::resume_all(myself, &mut live);
             schedule_passivation(myself, &deps, &live);
         }
     }
@@ -606,6 +626,7 @@ impl Live {
             waiters: Vec::new(),
             refused_here: HashMap::new(),
             deferred: Vec::new(),
+            polls: long_running::Polls::default(),
         }
     }
 }
@@ -628,6 +649,14 @@ async fn deliver(
         }
         RunMsg::Passivate { version } => passivate(myself, deps, live, version),
         RunMsg::RetryDeferred => run_deferred(myself, deps, live),
+        RunMsg::PollDue { epoch, call_id } => {
+            long_running::on_due(myself, deps, live, epoch, call_id);
+        }
+        RunMsg::Polled {
+            epoch,
+            call_id,
+            outcome,
+        } => long_running::on_polled(myself, live, epoch, call_id, outcome),
         RunMsg::Reload => reload(myself, deps, live).await?,
         RunMsg::Event(event) => {
             let copy = event.clone();
@@ -787,10 +816,11 @@ fn schedule_passivation(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &Live) 
 }
 
 fn is_idle_waiting(live: &Live) -> bool {
-    matches!(
+    (matches!(
         live.run.status,
         crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
-    ) && live.tools_in_flight == 0
+    ) || long_running::is_awaiting_tool(live))
+        && live.tools_in_flight == 0
         && !live.reloading
         && !live.finishing
 }
@@ -800,6 +830,13 @@ fn is_idle_waiting(live: &Live) -> bool {
 /// deadline or an approval expiry falls due.
 fn passivate(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &Live, version: u64) {
     if live.run.version != version || !is_idle_waiting(live) {
+        return;
+    }
+    if long_running::polling_now(live) {
+        // Not while a poll is out: try again once it has answered.
+        myself.send_after(Duration::from_secs(1), move || RunMsg::Passivate {
+            version,
+        });
         return;
     }
     let approval_due = live
@@ -815,10 +852,14 @@ fn passivate(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &Live, versio
             )
         })
         .min();
-    let wake_at = match (live.run.budget.deadline_ms, approval_due) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
+    let wake_at = [
+        live.run.budget.deadline_ms,
+        approval_due,
+        long_running::wake_at_ms(live),
+    ]
+    .into_iter()
+    .flatten()
+    .min();
     tracing::debug!(run = %live.run.id, ?wake_at, "passivating a waiting run");
     // Give the lease up, due when a timer needs the run: whichever node has room then (this
     // one, or another if this one is gone) brings it back; a control brings it back sooner.
@@ -1145,7 +1186,14 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 call_id: call_id.clone(),
                 idempotency_key: call.key.clone(),
                 cancel: live.cancel.child_token(),
+                long_running: crate::tool::LongRunning::new(
+                    deps.callbacks
+                        .as_ref()
+                        .filter(|_| !status_check)
+                        .map(|c| c.for_call(&run.id, &call_id)),
+                ),
             };
+            let task_timeout_ms = tool.spec().task_deadline().as_millis() as u64;
             let work = if status_check {
                 ToolWork::Status
             } else {
@@ -1196,6 +1244,14 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                                 outcome,
                             }
                         }
+                        ToolOutcome::Accepted { status_url } => RunEvent::ToolAccepted {
+                            epoch,
+                            call_id,
+                            status_url,
+                            timeout_ms: task_timeout_ms,
+                        },
+                        // Only poll jobs answer this (`long_running`).
+                        ToolOutcome::Polled(_) => return,
                     };
                     let _ = me.cast(RunMsg::Event(event));
                 });
@@ -1208,6 +1264,9 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             myself.send_after(Duration::from_millis(after_ms), move || {
                 RunMsg::Event(RunEvent::RetryDue { epoch })
             });
+        }
+        Effect::PollTool { epoch, call_id } => {
+            long_running::start(myself, live, epoch, call_id, None);
         }
         Effect::AbortInFlight => {
             live.deferred.clear();
