@@ -85,11 +85,13 @@ pub async fn serve(
         tokio::spawn(async move {
             // A client that connects and sends nothing: hyper's header timer and its protocol
             // detection both start at the first byte, so the loop bounds that wait itself.
+            // (`peek`, not `readable`: readiness may be reported before any byte is there.)
+            let mut first = [0u8; 1];
             let first_byte = tokio::select! {
                 biased;
                 () = stop.cancelled() => false,
-                ready = tokio::time::timeout(limits.header_read_timeout, stream.readable()) => {
-                    matches!(ready, Ok(Ok(())))
+                peeked = tokio::time::timeout(limits.header_read_timeout, stream.peek(&mut first)) => {
+                    matches!(peeked, Ok(Ok(n)) if n > 0)
                 }
             };
             if !first_byte {
