@@ -1,10 +1,15 @@
 //! Runtime counters and latency histograms, lock-free, rendered in the Prometheus text format.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::run::Status;
+use crate::telemetry::Tracer;
+
+mod labelled;
+pub use labelled::{LabelNames, Labelled, MAX_SERIES, OTHER};
 
 /// Upper bounds of the latency buckets, in microseconds.
 const BUCKETS_US: [u64; 16] = [
@@ -38,20 +43,35 @@ impl Histogram {
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        self.render_samples(out, name, "");
+    }
+
+    /// The samples of this histogram, each with `labels` (`k="v",…` or empty) before `le`.
+    pub(crate) fn render_samples(&self, out: &mut String, name: &str, labels: &str) {
+        let (open, sep) = if labels.is_empty() {
+            ("", "")
+        } else {
+            (labels, ",")
+        };
         let mut cumulative = 0;
         for (i, b) in BUCKETS_US.iter().enumerate() {
             cumulative += self.counts[i].load(Ordering::Relaxed);
             let _ = writeln!(
                 out,
-                "{name}_bucket{{le=\"{}\"}} {cumulative}",
+                "{name}_bucket{{{open}{sep}le=\"{}\"}} {cumulative}",
                 *b as f64 / 1e6
             );
         }
         cumulative += self.counts[BUCKETS_US.len()].load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+        let _ = writeln!(out, "{name}_bucket{{{open}{sep}le=\"+Inf\"}} {cumulative}");
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
         let _ = writeln!(
             out,
-            "{name}_sum {}\n{name}_count {}",
+            "{name}_sum{braces} {}\n{name}_count{braces} {}",
             self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
             self.count.load(Ordering::Relaxed)
         );
@@ -73,8 +93,6 @@ pub struct Metrics {
     pub live_runs: AtomicU64,
     /// One model turn and its tool batch.
     pub step_latency: Histogram,
-    pub model_latency: Histogram,
-    pub tool_latency: Histogram,
     pub model_errors: AtomicU64,
     pub tool_errors: AtomicU64,
     /// Runs paused now because the store does not answer (they continue when it does).
@@ -89,6 +107,10 @@ pub struct Metrics {
     pub leases_lost: AtomicU64,
     /// Runs left out because their stored record cannot be read.
     pub runs_quarantined: AtomicU64,
+    /// Families labelled by model, tool, outcome and (when enabled) tenant.
+    pub labelled: Labelled,
+    /// Spans of runs, turns, model calls and tool calls (`[telemetry]`; off by default).
+    pub traces: Arc<Tracer>,
 }
 
 fn status_index(s: Status) -> usize {
@@ -96,8 +118,23 @@ fn status_index(s: Status) -> usize {
 }
 
 impl Metrics {
+    /// The metrics of a runtime whose label values are limited to `names`, with `traces`.
+    pub fn new(names: &LabelNames, traces: Arc<Tracer>) -> Self {
+        Metrics {
+            labelled: Labelled::new(names),
+            traces,
+            ..Metrics::default()
+        }
+    }
+
     pub fn entered(&self, s: Status) {
         self.runs_entered[status_index(s)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A run of `tenant` entered `s` (also counted by tenant when tenant labels are on).
+    pub fn entered_by(&self, tenant: &str, s: Status) {
+        self.entered(s);
+        self.labelled.run_entered(tenant, s);
     }
 
     /// Appends the Prometheus text for these metrics.
@@ -200,15 +237,7 @@ impl Metrics {
             "agentd_step_latency_seconds",
             "One model turn plus its tool calls.",
         );
-        self.model_latency.render(
-            out,
-            "agentd_model_call_latency_seconds",
-            "Model calls, queueing and retries included.",
-        );
-        self.tool_latency.render(
-            out,
-            "agentd_tool_call_latency_seconds",
-            "Tool calls, queueing included.",
-        );
+        self.labelled.render(out);
+        self.traces.render_metrics(out);
     }
 }

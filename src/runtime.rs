@@ -62,6 +62,8 @@ pub struct RuntimeConfig {
     /// A run waiting for approval or input this long gives up its actor (its state stays in
     /// the store) and is rehydrated by its next message. `None`: never.
     pub passivate_after: Option<Duration>,
+    /// Traces and metric labels (`[telemetry]`): no traces and no tenant label by default.
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 impl Default for RuntimeConfig {
@@ -83,6 +85,7 @@ impl Default for RuntimeConfig {
             max_active_runs_per_tenant: None,
             max_input_bytes: 256 * 1024,
             passivate_after: Some(Duration::from_secs(60)),
+            telemetry: Default::default(),
         }
     }
 }
@@ -357,6 +360,7 @@ impl Runtime {
             let agent = Agent::new(spec, &registry)?;
             agents.insert(agent.spec.name.clone(), Arc::new(agent));
         }
+        let model_names: Vec<String> = parts.models.keys().cloned().collect();
         let (gateway, gateway_join) =
             ModelGateway::start(config.gateway, parts.models, config.model_limits.clone()).await?;
         let redactor = parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none()));
@@ -366,7 +370,15 @@ impl Runtime {
             redactor.clone(),
         )
         .await?;
-        let metrics = Arc::new(Metrics::default());
+        let names = crate::metrics::LabelNames {
+            models: model_names,
+            tools: registry.names().map(str::to_owned).collect(),
+            tenants: config.telemetry.tenant_labels.clone(),
+        };
+        let metrics = Arc::new(Metrics::new(
+            &names,
+            crate::telemetry::Tracer::start(&config.telemetry, &config.node_id),
+        ));
         let deps = Arc::new(RunDeps {
             store: parts.store,
             hub: Arc::new(Hub::new()),
@@ -478,6 +490,7 @@ impl Runtime {
         for j in self.joins {
             let _ = tokio::time::timeout(grace, j).await;
         }
+        inner.deps.metrics.traces.shutdown(grace).await;
     }
 }
 
@@ -614,7 +627,7 @@ impl RuntimeHandle {
             .await;
         match outcome {
             Ok(CreateOutcome::Created) => {
-                inner.deps.metrics.entered(Status::Created);
+                inner.deps.metrics.entered_by(&req.tenant, Status::Created);
                 self.start_new(&run.id).await?;
                 Ok((run, true))
             }

@@ -223,6 +223,8 @@ struct Live {
     refused_here: HashMap<u64, InvalidTransition>,
     /// Tool effects held back because the lease was not confirmed recently enough.
     deferred: Vec<Effect>,
+    /// The open turn span (`telemetry`).
+    trace: crate::telemetry::RunTrace,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -621,6 +623,7 @@ impl Live {
             waiters: Vec::new(),
             refused_here: HashMap::new(),
             deferred: Vec::new(),
+            trace: Default::default(),
         }
     }
 }
@@ -1004,7 +1007,7 @@ async fn commit_transition(
     }
     deps.metrics.transitions.fetch_add(1, Ordering::Relaxed);
     if live.run.status != prev_status {
-        deps.metrics.entered(live.run.status);
+        deps.metrics.entered_by(&live.run.tenant, live.run.status);
     }
     let terminal = live.run.is_terminal();
     deps.hub.publish(&live.run.id, &record, terminal);
@@ -1097,7 +1100,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             };
             let me = myself.clone();
             let metrics = deps.metrics.clone();
-            let sent = Instant::now();
+            let observed = metrics.model_call(&mut live.trace, run, &live.agent.spec.model);
             // Each gateway retry becomes an event on the run (through the machine).
             let notify = myself.clone();
             let on_retry: crate::model::gateway::OnModelRetry = Box::new(move |n| {
@@ -1113,7 +1116,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 live.cancel.clone(),
                 Some(on_retry),
                 move |outcome| {
-                    metrics.model_latency.observe(sent.elapsed());
+                    observed.finish(&outcome);
                     let event = match outcome {
                         Ok(reply) => RunEvent::ModelReplied { epoch, reply },
                         Err(error) => {
@@ -1164,7 +1167,8 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             };
             let metrics = deps.metrics.clone();
             let redactor = deps.redactor.clone();
-            let sent = Instant::now();
+            let observed =
+                metrics.tool_call(&mut live.trace, run, &call.tool, &call_id, status_check);
             live.tools_in_flight += 1;
             // Each executor retry becomes an event on the run (through the machine).
             let notify = myself.clone();
@@ -1180,9 +1184,9 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             });
             deps.tools
                 .submit_observed(tool, ctx, work, Some(on_retry), move |outcome| {
-                    metrics.tool_latency.observe(sent.elapsed());
                     let event = match outcome {
                         ToolOutcome::Result(mut result) => {
+                            observed.finish_result(&result);
                             result.redact(&redactor);
                             if !result.ok {
                                 metrics.tool_errors.fetch_add(1, Ordering::Relaxed);
@@ -1194,6 +1198,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                             }
                         }
                         ToolOutcome::Status(mut outcome) => {
+                            observed.finish_status(&outcome);
                             match &mut outcome {
                                 Ok(Some(result)) => result.redact(&redactor),
                                 Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
@@ -1224,6 +1229,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             live.cancel = CancellationToken::new();
         }
         Effect::Finish => {
+            deps.metrics.run_finished(&mut live.trace, &live.run);
             if let Some(t) = live.turn_started.take() {
                 deps.metrics.step_latency.observe(t.elapsed());
             }

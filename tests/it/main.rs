@@ -65,6 +65,8 @@ mod sse;
 mod store_contract;
 /// Runtime harness: in-process runtime on the memory store.
 mod support;
+/// OpenTelemetry traces over OTLP/HTTP against a receiver in the test.
+mod telemetry;
 /// Docs and code stay in step: module docs, the codemap, a pure core, no stubs.
 mod tidy;
 /// A tool that keeps failing waits for an operator (retry, skip, fail); permission errors of
