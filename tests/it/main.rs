@@ -46,6 +46,8 @@ mod mcp;
 mod nodes;
 /// The OpenAI-compatible provider against the fake server.
 mod openai;
+/// The daemon's own OpenAPI document: named schemas, enums, answers that fit, exact strictness.
+mod openapi;
 /// Run ownership on real daemon processes: controls in inbox order, store outages as pauses.
 mod ownership;
 /// A store wrapper whose lease renewals fail, as behind a partition.
