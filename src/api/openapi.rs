@@ -187,12 +187,17 @@ fn schemas(limits: &LimitsConfig, agents: &[String]) -> Value {
         "Cancel": { "type": "object", "additionalProperties": false, "properties": {
             "reason": { "type": ["string", "null"], "maxLength": 4096 } } },
         "Decision": {
-            "type": "object", "required": ["decision"], "additionalProperties": false,
-            "properties": {
-                "decision": { "type": "string", "enum": ["approve", "reject", "fail"], "description": "fail: end the run failed (code by why the call waits, e.g. tool_failing)." },
-                "reason": { "type": ["string", "null"], "maxLength": 4096 },
-                "arguments": { "type": ["object", "null"], "description": "Approve with edited arguments (validated again)." }
-            }
+            "description": "approve (optionally with edited arguments, validated again), reject, or fail: end the run failed (code by why the call waits, e.g. tool_failing).",
+            "oneOf": [
+                { "type": "object", "required": ["decision"], "additionalProperties": false, "properties": {
+                    "decision": { "const": "approve" },
+                    "reason": { "type": ["string", "null"], "maxLength": 4096 },
+                    "arguments": { "type": ["object", "null"] } } },
+                { "type": "object", "required": ["decision"], "additionalProperties": false, "properties": {
+                    "decision": { "type": "string", "enum": ["reject", "fail"] },
+                    "reason": { "type": ["string", "null"], "maxLength": 4096 },
+                    "arguments": { "type": "null", "description": "Arguments may only come with approve." } } }
+            ]
         },
         "Input": { "type": "object", "required": ["text"], "additionalProperties": false, "properties": {
             "text": { "type": "string", "minLength": 1, "maxLength": limits.max_input_text_bytes } } },
@@ -377,7 +382,8 @@ fn paths(limits: &LimitsConfig) -> Value {
                 "operationId": "listApprovals", "summary": "The tenant's pending approvals across all runs, oldest first",
                 "parameters": [
                     { "name": "limit", "in": "query", "schema": { "type": "integer", "minimum": 1, "maximum": u64::MAX, "default": 50 } },
-                    { "name": "cursor", "in": "query", "schema": { "type": "string" } }
+                    { "name": "cursor", "in": "query", "schema": { "type": "string", "maxLength": crate::ids::MAX_ID_LEN, "pattern": "^[0-9]{1,19}-[A-Za-z0-9_]*-[A-Za-z0-9_-]*$" },
+                      "description": "The previous page's next_cursor." }
                 ],
                 "responses": {
                     "200": ok_json("One page.", "ApprovalList"),

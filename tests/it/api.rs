@@ -176,7 +176,10 @@ async fn bad_input_gets_the_documented_codes() {
         json!({"input": "x"}),
         json!({"agent": "quick", "input": "x", "surprise": 1}),
         json!({"agent": "quick", "input": "x", "budget": {"max_turns": -1}}),
-        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e9}}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1.5}}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e10}}),
+        json!({"agent": "quick", "input": "x", "budget": [null, null]}),
+        json!({"agent": "quick", "input": "x", "budget": "5m"}),
         json!([1, 2]),
     ] {
         let (s, b) = d.post("/v1/runs", ALPHA, body.clone()).await;
@@ -185,6 +188,8 @@ async fn bad_input_gets_the_documented_codes() {
     for body in [
         json!({"agent": "quick", "input": "x", "budget": {"max_turns": 0}}),
         json!({"agent": "quick", "input": "x", "budget": {"max_turns": 100000}}),
+        // A JSON Schema integer written with a fraction of zero is that integer.
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e9}}),
         json!({"agent": "quick", "input": "x", "budget": {"deadline": "soon"}}),
         json!({"agent": "quick", "input": "x", "budget": {"deadline": "1000d"}}),
         json!({"agent": "quick", "input": null}),
