@@ -1,5 +1,7 @@
 //! Runtime counters and latency histograms, lock-free, rendered in the Prometheus text format.
 
+#![warn(missing_docs)]
+
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -26,6 +28,7 @@ pub struct Histogram {
 }
 
 impl Histogram {
+    /// Records one duration.
     pub fn observe(&self, d: Duration) {
         let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
         let i = BUCKETS_US
@@ -37,6 +40,7 @@ impl Histogram {
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Durations recorded.
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
     }
@@ -83,9 +87,13 @@ impl Histogram {
 pub struct Metrics {
     /// Runs that reached each status, indexed like `Status::ALL`.
     pub runs_entered: [AtomicU64; 7],
+    /// State transitions committed.
     pub transitions: AtomicU64,
+    /// Run actors restarted after a crash.
     pub restarts: AtomicU64,
+    /// Runs failed with `crash_loop`.
     pub crash_loops: AtomicU64,
+    /// Commits retried because the store was unavailable.
     pub store_retries: AtomicU64,
     /// Times the store's epoch marker was seen to change (data lost).
     pub store_resets: AtomicU64,
@@ -93,7 +101,9 @@ pub struct Metrics {
     pub live_runs: AtomicU64,
     /// One model turn and its tool batch.
     pub step_latency: Histogram,
+    /// Model requests that failed after the gateway's retries.
     pub model_errors: AtomicU64,
+    /// Tool calls that returned an error.
     pub tool_errors: AtomicU64,
     /// Runs paused now because the store does not answer (they continue when it does).
     pub paused_runs: AtomicI64,
@@ -127,6 +137,7 @@ impl Metrics {
         }
     }
 
+    /// A run entered `s`.
     pub fn entered(&self, s: Status) {
         self.runs_entered[status_index(s)].fetch_add(1, Ordering::Relaxed);
     }

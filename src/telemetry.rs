@@ -19,6 +19,8 @@
 //!   sends them in batches (`max_batch`, at least every `export_interval`), each request
 //!   bounded by `export_timeout`; a batch that fails is dropped and counted too.
 
+#![warn(missing_docs)]
+
 pub mod otlp;
 
 use std::collections::HashMap;
@@ -138,13 +140,21 @@ pub enum SpanKind {
 /// One finished span.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Span {
+    /// The run's trace.
     pub trace_id: [u8; 16],
+    /// This span.
     pub span_id: [u8; 8],
+    /// `None`: the run's root span.
     pub parent_span_id: Option<[u8; 8]>,
+    /// `invoke_agent {agent}`, `turn`, `chat {model}` or `execute_tool {tool}`.
     pub name: String,
+    /// Internal, or client for a model call.
     pub kind: SpanKind,
+    /// Start, in nanoseconds since the Unix epoch.
     pub start_ns: u64,
+    /// End, in nanoseconds since the Unix epoch.
     pub end_ns: u64,
+    /// Configured names, ids, counts and stable codes only.
     pub attributes: Vec<(&'static str, Value)>,
     /// `Some(error type)`: the span's status is `ERROR` with that message (a stable code).
     pub error: Option<String>,
