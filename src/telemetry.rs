@@ -331,13 +331,20 @@ struct OpenTurn {
     run_span: [u8; 8],
     span_id: [u8; 8],
     number: u32,
+    run_id: String,
     start_ns: u64,
     resumed: bool,
 }
 
 impl OpenTurn {
-    fn end(self, interrupted: bool) {
-        let mut attributes = vec![("agentd.turn", Value::from(self.number))];
+    fn end(mut self, interrupted: bool) {
+        let mut attributes = vec![
+            ("agentd.turn", Value::from(self.number)),
+            (
+                "agentd.run.id",
+                Value::Str(std::mem::take(&mut self.run_id)),
+            ),
+        ];
         if self.resumed {
             attributes.push(("agentd.turn.resumed", Value::Bool(true)));
         }
@@ -388,6 +395,7 @@ impl RunTrace {
             run_span: run_span_id(&run.id),
             span_id,
             number: run.turn,
+            run_id: run.id.as_str().to_owned(),
             start_ns: unix_nanos(),
             resumed,
         });

@@ -308,3 +308,95 @@ async fn a_collector_that_is_down_never_holds_a_run_and_drops_are_counted() {
     }
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_continues_the_same_trace() {
+    let mut receiver = Receiver::start().await;
+    let endpoint = format!("http://{}", receiver.addr);
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("file:{}", dir.path().join("data").display());
+    let configure = |c: &mut agentd::config::Config| {
+        c.store.url = url.clone();
+        c.telemetry.otlp_endpoint = Some(endpoint.clone());
+        c.telemetry.export_interval = Duration::from_millis(50);
+    };
+    // The first daemon: the run's first turn asks for a call that needs approval.
+    let d = TestDaemon::start_with(configure).await;
+    let id = d.create(ALPHA, "approver").await;
+    let run = d.wait_status(ALPHA, &id, "waiting_approval").await;
+    let call = run["pending_approvals"][0]["call_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    d.stop().await;
+    let run_id: RunId = id.parse().unwrap();
+    let trace_id = hex::encode(agentd::telemetry::trace_id(&run_id));
+    let root_id = hex::encode(agentd::telemetry::run_span_id(&run_id));
+    // Its actor stopped mid-turn: that turn was sent, marked interrupted, before it exited.
+    receiver
+        .wait_for(|s| s["name"] == "turn" && attr(s, "agentd.turn.interrupted").is_some())
+        .await;
+
+    // The second daemon on the same store: approve, the call runs, the run ends.
+    let d = TestDaemon::start_with(configure).await;
+    let (s, v) = d
+        .post(
+            &format!("/v1/runs/{id}/approvals/{call}"),
+            ALPHA,
+            serde_json::json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    d.wait_status(ALPHA, &id, "succeeded").await;
+    receiver.wait_for(|s| s["spanId"] == root_id.as_str()).await;
+    d.stop().await;
+
+    let spans: Vec<(Value, Value)> = receiver
+        .spans()
+        .into_iter()
+        .filter(|(s, _)| str_attr(s, "agentd.run.id") == id)
+        .collect();
+    assert!(
+        spans.iter().all(|(s, _)| s["traceId"] == trace_id.as_str()),
+        "{spans:#?}"
+    );
+    let instances: std::collections::HashSet<String> = spans
+        .iter()
+        .map(|(_, r)| {
+            r["attributes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["key"] == "service.instance.id")
+                .unwrap()["value"]["stringValue"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(instances.len(), 2, "spans from both daemons: {instances:?}");
+    let by_id: HashMap<&str, &Value> = spans
+        .iter()
+        .map(|(s, _)| (s["spanId"].as_str().unwrap(), s))
+        .collect();
+    let roots: Vec<&&Value> = by_id
+        .values()
+        .filter(|s| s.get("parentSpanId").is_none())
+        .collect();
+    assert_eq!(roots.len(), 1);
+    for (s, _) in &spans {
+        if let Some(p) = s["parentSpanId"].as_str() {
+            assert!(by_id.contains_key(p), "{} has no parent here", s["name"]);
+        }
+    }
+    // The approved call ran in the first turn, continued by the second daemon.
+    let tool = spans
+        .iter()
+        .map(|(s, _)| s)
+        .find(|s| s["name"] == "execute_tool charge")
+        .expect("the tool call's span");
+    assert_eq!(str_attr(tool, "gen_ai.tool.call.id"), call);
+    let parent = by_id[tool["parentSpanId"].as_str().unwrap()];
+    assert_eq!(int_attr(parent, "agentd.turn"), 1);
+    assert!(attr(parent, "agentd.turn.resumed").is_some(), "{parent}");
+}
