@@ -285,10 +285,10 @@ pub struct ServeArgs {
     /// TOML configuration file (see config/default.toml).
     #[arg(long, env = "AGENTD_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Listen address; overrides [server] listen.
+    /// Listen address; overrides the config's server.listen.
     #[arg(long)]
     pub listen: Option<String>,
-    /// Store URL; overrides [store] url.
+    /// Store URL; overrides the config's store.url.
     #[arg(long)]
     pub store: Option<String>,
     /// Create a `file:` store's directory if it does not exist (otherwise that is an error;

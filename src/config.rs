@@ -59,6 +59,86 @@ pub struct Config {
     pub runtime: RuntimeSection,
     pub limits: LimitsConfig,
     pub secrets: SecretsConfig,
+    pub telemetry: TelemetrySection,
+}
+
+/// `[telemetry]`: OpenTelemetry traces over OTLP/HTTP (off unless `otlp_endpoint` is set) and
+/// the tenant label of metrics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetrySection {
+    /// The OTLP/HTTP collector's base URL (e.g. `http://127.0.0.1:4318`); spans are posted as
+    /// JSON to `{otlp_endpoint}/v1/traces`. Unset: no traces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+    /// Upper bound of one export request.
+    #[serde(with = "crate::config_duration")]
+    pub export_timeout: Duration,
+    /// A partial batch of spans is sent after this long.
+    #[serde(with = "crate::config_duration")]
+    pub export_interval: Duration,
+    /// Spans waiting to be sent at most; more are dropped (`agentd_trace_spans_dropped_total`).
+    pub queue_size: usize,
+    /// Spans per export request at most.
+    pub max_batch: usize,
+    /// Label metrics by tenant id too (`/metrics` needs no token, so off by default).
+    pub tenant_labels: bool,
+}
+
+impl Default for TelemetrySection {
+    fn default() -> Self {
+        let o = crate::telemetry::OtlpConfig::new("");
+        TelemetrySection {
+            otlp_endpoint: None,
+            service_name: "agentd".into(),
+            export_timeout: o.timeout,
+            export_interval: o.interval,
+            queue_size: o.queue_size,
+            max_batch: o.max_batch,
+            tenant_labels: false,
+        }
+    }
+}
+
+impl TelemetrySection {
+    fn validate(&self) -> Result<(), Error> {
+        if let Some(url) = &self.otlp_endpoint {
+            let parsed = reqwest::Url::parse(url).map_err(|e| {
+                invalid(
+                    "telemetry.otlp_endpoint",
+                    format!("{e} (write e.g. \"http://127.0.0.1:4318\")"),
+                )
+            })?;
+            if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+                return Err(invalid(
+                    "telemetry.otlp_endpoint",
+                    "must be an http:// or https:// URL with a host (write e.g. \"http://127.0.0.1:4318\")",
+                ));
+            }
+        }
+        if self.service_name.trim().is_empty() {
+            return Err(invalid("telemetry.service_name", "must not be empty"));
+        }
+        for (key, d) in [
+            ("telemetry.export_timeout", self.export_timeout),
+            ("telemetry.export_interval", self.export_interval),
+        ] {
+            if d.is_zero() {
+                return Err(invalid(key, "must be more than 0s"));
+            }
+        }
+        for (key, n) in [
+            ("telemetry.queue_size", self.queue_size),
+            ("telemetry.max_batch", self.max_batch),
+        ] {
+            if n == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `[secrets]`: extra values and patterns the redactor removes from events, API output, logs
@@ -946,6 +1026,7 @@ impl Config {
     /// Checks the whole tree; the error names the first bad key. `extra_tools` are native tools
     /// supplied by an embedding program, which agents may list too.
     pub fn validate_with(&self, extra_tools: &[String]) -> Result<(), Error> {
+        self.telemetry.validate()?;
         self.server
             .listen
             .parse::<std::net::SocketAddr>()
@@ -1491,6 +1572,45 @@ impl Config {
             max_input_bytes: self.limits.max_input_bytes,
             // Needs the address the daemon listens on: set by `daemon::run`.
             callbacks: None,
+            telemetry: self.telemetry_config(),
+        }
+    }
+
+    /// `[telemetry]` with the configured models and tenants the runtime needs.
+    pub fn telemetry_config(&self) -> crate::telemetry::TelemetryConfig {
+        let t = &self.telemetry;
+        crate::telemetry::TelemetryConfig {
+            otlp: t
+                .otlp_endpoint
+                .as_ref()
+                .map(|e| crate::telemetry::OtlpConfig {
+                    endpoint: e.clone(),
+                    timeout: t.export_timeout,
+                    interval: t.export_interval,
+                    queue_size: t.queue_size,
+                    max_batch: t.max_batch,
+                }),
+            service_name: t.service_name.clone(),
+            tenant_labels: t
+                .tenant_labels
+                .then(|| self.tenants.iter().map(|t| t.id.clone()).collect()),
+            models: self
+                .models
+                .iter()
+                .map(|(name, m)| {
+                    (
+                        name.clone(),
+                        crate::telemetry::ModelInfo {
+                            provider: match m.kind {
+                                ModelKind::Openai => "openai",
+                                ModelKind::Scripted => "scripted",
+                            }
+                            .into(),
+                            model: m.model.clone().unwrap_or_else(|| name.clone()),
+                        },
+                    )
+                })
+                .collect(),
         }
     }
 }

@@ -26,4 +26,5 @@ pub mod redact;
 pub mod run;
 pub mod runtime;
 pub mod store;
+pub mod telemetry;
 pub mod tool;

@@ -1,10 +1,17 @@
 //! Runtime counters and latency histograms, lock-free, rendered in the Prometheus text format.
 
+#![warn(missing_docs)]
+
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::run::Status;
+use crate::telemetry::Tracer;
+
+mod labelled;
+pub use labelled::{LabelNames, Labelled, MAX_SERIES, OTHER};
 
 /// Upper bounds of the latency buckets, in microseconds.
 const BUCKETS_US: [u64; 16] = [
@@ -21,6 +28,7 @@ pub struct Histogram {
 }
 
 impl Histogram {
+    /// Records one duration.
     pub fn observe(&self, d: Duration) {
         let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
         let i = BUCKETS_US
@@ -32,26 +40,42 @@ impl Histogram {
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Durations recorded.
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        self.render_samples(out, name, "");
+    }
+
+    /// The samples of this histogram, each with `labels` (`k="v",…` or empty) before `le`.
+    pub(crate) fn render_samples(&self, out: &mut String, name: &str, labels: &str) {
+        let (open, sep) = if labels.is_empty() {
+            ("", "")
+        } else {
+            (labels, ",")
+        };
         let mut cumulative = 0;
         for (i, b) in BUCKETS_US.iter().enumerate() {
             cumulative += self.counts[i].load(Ordering::Relaxed);
             let _ = writeln!(
                 out,
-                "{name}_bucket{{le=\"{}\"}} {cumulative}",
+                "{name}_bucket{{{open}{sep}le=\"{}\"}} {cumulative}",
                 *b as f64 / 1e6
             );
         }
         cumulative += self.counts[BUCKETS_US.len()].load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+        let _ = writeln!(out, "{name}_bucket{{{open}{sep}le=\"+Inf\"}} {cumulative}");
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
         let _ = writeln!(
             out,
-            "{name}_sum {}\n{name}_count {}",
+            "{name}_sum{braces} {}\n{name}_count{braces} {}",
             self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
             self.count.load(Ordering::Relaxed)
         );
@@ -63,9 +87,13 @@ impl Histogram {
 pub struct Metrics {
     /// Runs that reached each status, indexed like `Status::ALL`.
     pub runs_entered: [AtomicU64; 7],
+    /// State transitions committed.
     pub transitions: AtomicU64,
+    /// Run actors restarted after a crash.
     pub restarts: AtomicU64,
+    /// Runs failed with `crash_loop`.
     pub crash_loops: AtomicU64,
+    /// Commits retried because the store was unavailable.
     pub store_retries: AtomicU64,
     /// Times the store's epoch marker was seen to change (data lost).
     pub store_resets: AtomicU64,
@@ -73,9 +101,9 @@ pub struct Metrics {
     pub live_runs: AtomicU64,
     /// One model turn and its tool batch.
     pub step_latency: Histogram,
-    pub model_latency: Histogram,
-    pub tool_latency: Histogram,
+    /// Model requests that failed after the gateway's retries.
     pub model_errors: AtomicU64,
+    /// Tool calls that returned an error.
     pub tool_errors: AtomicU64,
     /// Polls of long-running calls' status URLs (each one short pool job).
     pub tool_polls: AtomicU64,
@@ -91,6 +119,10 @@ pub struct Metrics {
     pub leases_lost: AtomicU64,
     /// Runs left out because their stored record cannot be read.
     pub runs_quarantined: AtomicU64,
+    /// Families labelled by model, tool, outcome and (when enabled) tenant.
+    pub labelled: Labelled,
+    /// Spans of runs, turns, model calls and tool calls (`[telemetry]`; off by default).
+    pub traces: Arc<Tracer>,
 }
 
 fn status_index(s: Status) -> usize {
@@ -98,8 +130,24 @@ fn status_index(s: Status) -> usize {
 }
 
 impl Metrics {
+    /// The metrics of a runtime whose label values are limited to `names`, with `traces`.
+    pub fn new(names: &LabelNames, traces: Arc<Tracer>) -> Self {
+        Metrics {
+            labelled: Labelled::new(names),
+            traces,
+            ..Metrics::default()
+        }
+    }
+
+    /// A run entered `s`.
     pub fn entered(&self, s: Status) {
         self.runs_entered[status_index(s)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A run of `tenant` entered `s` (also counted by tenant when tenant labels are on).
+    pub fn entered_by(&self, tenant: &str, s: Status) {
+        self.entered(s);
+        self.labelled.run_entered(tenant, s);
     }
 
     /// Appends the Prometheus text for these metrics.
@@ -207,15 +255,7 @@ impl Metrics {
             "agentd_step_latency_seconds",
             "One model turn plus its tool calls.",
         );
-        self.model_latency.render(
-            out,
-            "agentd_model_call_latency_seconds",
-            "Model calls, queueing and retries included.",
-        );
-        self.tool_latency.render(
-            out,
-            "agentd_tool_call_latency_seconds",
-            "Tool calls, queueing included.",
-        );
+        self.labelled.render(out);
+        self.traces.render_metrics(out);
     }
 }

@@ -67,6 +67,8 @@ pub struct RuntimeConfig {
     /// The callback route of long-running tools (`server.public_url` and the callback key);
     /// `None`: calls carry no callback and results arrive by polling only.
     pub callbacks: Option<Arc<crate::tool::callback::Callbacks>>,
+    /// Traces and metric labels (`[telemetry]`): no traces and no tenant label by default.
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 impl Default for RuntimeConfig {
@@ -89,6 +91,7 @@ impl Default for RuntimeConfig {
             max_input_bytes: 256 * 1024,
             passivate_after: Some(Duration::from_secs(60)),
             callbacks: None,
+            telemetry: Default::default(),
         }
     }
 }
@@ -363,6 +366,7 @@ impl Runtime {
             let agent = Agent::new(spec, &registry)?;
             agents.insert(agent.spec.name.clone(), Arc::new(agent));
         }
+        let model_names: Vec<String> = parts.models.keys().cloned().collect();
         let (gateway, gateway_join) =
             ModelGateway::start(config.gateway, parts.models, config.model_limits.clone()).await?;
         let redactor = parts.redactor.unwrap_or_else(|| Arc::new(Redactor::none()));
@@ -372,7 +376,15 @@ impl Runtime {
             redactor.clone(),
         )
         .await?;
-        let metrics = Arc::new(Metrics::default());
+        let names = crate::metrics::LabelNames {
+            models: model_names,
+            tools: registry.names().map(str::to_owned).collect(),
+            tenants: config.telemetry.tenant_labels.clone(),
+        };
+        let metrics = Arc::new(Metrics::new(
+            &names,
+            crate::telemetry::Tracer::start(&config.telemetry, &config.node_id),
+        ));
         let deps = Arc::new(RunDeps {
             store: parts.store,
             hub: Arc::new(Hub::new()),
@@ -485,6 +497,7 @@ impl Runtime {
         for j in self.joins {
             let _ = tokio::time::timeout(grace, j).await;
         }
+        inner.deps.metrics.traces.shutdown(grace).await;
     }
 }
 
@@ -622,7 +635,7 @@ impl RuntimeHandle {
             .await;
         match outcome {
             Ok(CreateOutcome::Created) => {
-                inner.deps.metrics.entered(Status::Created);
+                inner.deps.metrics.entered_by(&req.tenant, Status::Created);
                 self.start_new(&run.id).await?;
                 Ok((run, true))
             }

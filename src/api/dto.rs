@@ -18,10 +18,45 @@ pub struct CreateRunRequest {
     pub input: Value,
     #[serde(default)]
     pub idempotency_key: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "budget_object")]
     pub budget: Option<BudgetRequest>,
     #[serde(default)]
     pub metadata: Option<Value>,
+}
+
+/// `budget`: an object (or null), never the array form serde would also take for a struct; a
+/// count written as a float with no fraction (`12.0`, a JSON Schema integer) is that integer.
+fn budget_object<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<BudgetRequest>, D::Error> {
+    use serde::de::Error as _;
+    match Option::<Value>::deserialize(d)? {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(mut m)) => {
+            for key in ["max_turns", "max_tool_calls", "max_tokens"] {
+                if let Some(Value::Number(n)) = m.get(key)
+                    && n.as_u64().is_none()
+                    && let Some(f) = n.as_f64()
+                    && f.fract() == 0.0
+                    && (0.0..=u64::MAX as f64).contains(&f)
+                {
+                    m.insert(key.into(), Value::from(f as u64));
+                }
+            }
+            serde_json::from_value(Value::Object(m))
+                .map(Some)
+                .map_err(D::Error::custom)
+        }
+        Some(other) => Err(D::Error::custom(format!(
+            "budget must be an object, not {}",
+            match other {
+                Value::Array(_) => "an array",
+                Value::String(_) => "a string",
+                Value::Number(_) => "a number",
+                _ => "a boolean",
+            }
+        ))),
+    }
 }
 
 /// Budget a client asks for; unset fields take the agent's defaults.

@@ -88,11 +88,12 @@ pub async fn metrics(State(s): State<AppState>) -> Response {
         .into_response()
 }
 
-/// `GET /openapi.json`.
-pub async fn openapi() -> Response {
+/// `GET /openapi.json`: the document for this daemon's limits and agents.
+pub async fn openapi(State(s): State<AppState>) -> Response {
+    let agents: Vec<String> = s.runtime.agents().into_iter().map(|a| a.name).collect();
     (
         [(header::CONTENT_TYPE, "application/json")],
-        super::openapi::document().to_string(),
+        super::openapi::document_for(&s.limits, &agents).to_string(),
     )
         .into_response()
 }

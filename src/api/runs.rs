@@ -330,7 +330,11 @@ pub async fn events(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     if !super::wants_sse(&headers) {
-        let limit = q.limit.unwrap_or(EVENTS_PAGE).clamp(1, EVENTS_PAGE);
+        let limit = match q.limit {
+            Some(0) => return Err(ApiError::invalid_query("limit must be at least 1")),
+            Some(n) => n.min(EVENTS_PAGE),
+            None => EVENTS_PAGE,
+        };
         let events = s
             .runtime
             .events(&tenant, &id, q.after.unwrap_or(0), limit)

@@ -107,6 +107,7 @@ fn default_toml_documents_every_key() {
     c.secrets.patterns = vec!["x".into()];
     c.server.public_url = Some("http://x".into());
     c.server.callback_secret = Some(Secret("env:X".into()));
+    c.telemetry.otlp_endpoint = Some("http://x".into());
     let mut agent = AgentConfig::new("all");
     agent.deadline = Some(Duration::from_secs(1));
     agent.output_schema = Some(serde_json::json!({}));
@@ -559,4 +560,41 @@ fn bad_scopes_names_agents_and_guards_name_their_key() {
         1,
     );
     assert!(Config::from_toml(&bad).is_err());
+}
+
+#[test]
+fn telemetry_is_off_by_default_and_its_keys_are_checked() {
+    let c = Config::demo();
+    assert_eq!(c.runtime_config().telemetry.otlp, None);
+    assert_eq!(c.runtime_config().telemetry.tenant_labels, None);
+    for (toml_text, key) in [
+        (
+            "otlp_endpoint = \"localhost:4318\"",
+            "telemetry.otlp_endpoint",
+        ),
+        ("otlp_endpoint = \"ftp://h:1\"", "telemetry.otlp_endpoint"),
+        ("export_timeout = \"0s\"", "telemetry.export_timeout"),
+        ("queue_size = 0", "telemetry.queue_size"),
+        ("max_batch = 0", "telemetry.max_batch"),
+        ("service_name = \" \"", "telemetry.service_name"),
+    ] {
+        let mut c = Config::demo();
+        c.telemetry = toml::from_str(toml_text).unwrap();
+        match c.validate() {
+            Err(Error::Invalid { key: k, .. }) => assert_eq!(k, key, "{toml_text}"),
+            other => panic!("{toml_text}: {other:?}"),
+        }
+    }
+    let mut c = Config::demo();
+    c.telemetry = toml::from_str(
+        "otlp_endpoint = \"http://127.0.0.1:4318\"\nexport_interval = \"100ms\"\ntenant_labels = true",
+    )
+    .unwrap();
+    c.validate().unwrap();
+    let t = c.runtime_config().telemetry;
+    let otlp = t.otlp.unwrap();
+    assert_eq!(otlp.endpoint, "http://127.0.0.1:4318");
+    assert_eq!(otlp.interval, Duration::from_millis(100));
+    assert_eq!(t.tenant_labels, Some(vec![c.tenants[0].id.clone()]));
+    assert!(t.models.contains_key("scripted") || !t.models.is_empty());
 }

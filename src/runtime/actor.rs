@@ -238,6 +238,8 @@ struct Live {
     deferred: Vec<Effect>,
     /// Long-running calls being polled in this incarnation.
     polls: long_running::Polls,
+    /// The open turn span (`telemetry`).
+    trace: crate::telemetry::RunTrace,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -627,6 +629,7 @@ impl Live {
             refused_here: HashMap::new(),
             deferred: Vec::new(),
             polls: long_running::Polls::default(),
+            trace: Default::default(),
         }
     }
 }
@@ -1036,7 +1039,7 @@ async fn commit_transition(
     }
     deps.metrics.transitions.fetch_add(1, Ordering::Relaxed);
     if live.run.status != prev_status {
-        deps.metrics.entered(live.run.status);
+        deps.metrics.entered_by(&live.run.tenant, live.run.status);
     }
     let terminal = live.run.is_terminal();
     deps.hub.publish(&live.run.id, &record, terminal);
@@ -1129,7 +1132,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             };
             let me = myself.clone();
             let metrics = deps.metrics.clone();
-            let sent = Instant::now();
+            let observed = metrics.model_call(&mut live.trace, run, &live.agent.spec.model);
             // Each gateway retry becomes an event on the run (through the machine).
             let notify = myself.clone();
             let on_retry: crate::model::gateway::OnModelRetry = Box::new(move |n| {
@@ -1145,7 +1148,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 live.cancel.clone(),
                 Some(on_retry),
                 move |outcome| {
-                    metrics.model_latency.observe(sent.elapsed());
+                    observed.finish(&outcome);
                     let event = match outcome {
                         Ok(reply) => RunEvent::ModelReplied { epoch, reply },
                         Err(error) => {
@@ -1203,7 +1206,8 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             };
             let metrics = deps.metrics.clone();
             let redactor = deps.redactor.clone();
-            let sent = Instant::now();
+            let observed =
+                metrics.tool_call(&mut live.trace, run, &call.tool, &call_id, status_check);
             live.tools_in_flight += 1;
             // Each executor retry becomes an event on the run (through the machine).
             let notify = myself.clone();
@@ -1219,9 +1223,9 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             });
             deps.tools
                 .submit_observed(tool, ctx, work, Some(on_retry), move |outcome| {
-                    metrics.tool_latency.observe(sent.elapsed());
                     let event = match outcome {
                         ToolOutcome::Result(mut result) => {
+                            observed.finish_result(&result);
                             result.redact(&redactor);
                             if !result.ok {
                                 metrics.tool_errors.fetch_add(1, Ordering::Relaxed);
@@ -1233,6 +1237,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                             }
                         }
                         ToolOutcome::Status(mut outcome) => {
+                            observed.finish_status(&outcome);
                             match &mut outcome {
                                 Ok(Some(result)) => result.redact(&redactor),
                                 Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
@@ -1274,6 +1279,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             live.cancel = CancellationToken::new();
         }
         Effect::Finish => {
+            deps.metrics.run_finished(&mut live.trace, &live.run);
             if let Some(t) = live.turn_started.take() {
                 deps.metrics.step_latency.observe(t.elapsed());
             }

@@ -176,7 +176,10 @@ async fn bad_input_gets_the_documented_codes() {
         json!({"input": "x"}),
         json!({"agent": "quick", "input": "x", "surprise": 1}),
         json!({"agent": "quick", "input": "x", "budget": {"max_turns": -1}}),
-        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e9}}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1.5}}),
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e10}}),
+        json!({"agent": "quick", "input": "x", "budget": [null, null]}),
+        json!({"agent": "quick", "input": "x", "budget": "5m"}),
         json!([1, 2]),
     ] {
         let (s, b) = d.post("/v1/runs", ALPHA, body.clone()).await;
@@ -185,6 +188,8 @@ async fn bad_input_gets_the_documented_codes() {
     for body in [
         json!({"agent": "quick", "input": "x", "budget": {"max_turns": 0}}),
         json!({"agent": "quick", "input": "x", "budget": {"max_turns": 100000}}),
+        // A JSON Schema integer written with a fraction of zero is that integer.
+        json!({"agent": "quick", "input": "x", "budget": {"max_turns": 1e9}}),
         json!({"agent": "quick", "input": "x", "budget": {"deadline": "soon"}}),
         json!({"agent": "quick", "input": "x", "budget": {"deadline": "1000d"}}),
         json!({"agent": "quick", "input": null}),
@@ -381,6 +386,48 @@ async fn operational_routes_need_no_token_and_leak_nothing() {
     for secret in ["alpha", "beta", ALPHA, BETA] {
         assert!(!text.contains(secret), "metrics mention {secret}");
     }
+    // Labelled by configured names only: the run's model and tool, no tenant by default.
+    for family in [
+        "agentd_model_tokens_total",
+        "agentd_model_call_latency_seconds",
+        "agentd_tool_call_latency_seconds",
+        "agentd_tool_calls_total",
+        "agentd_trace_spans_dropped_total",
+    ] {
+        assert!(done.contains(family), "{family} missing: {done:?}");
+    }
+    assert!(
+        sample(
+            &text,
+            r#"agentd_model_tokens_total{model="quick",kind="prompt"}"#
+        ) > 0.0,
+        "{text}"
+    );
+    assert!(
+        sample(
+            &text,
+            r#"agentd_model_tokens_total{model="quick",kind="completion"}"#
+        ) > 0.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentd_model_call_latency_seconds_count{model="quick"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        sample(&text, r#"agentd_tool_calls_total{tool="add",outcome="ok"}"#),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentd_tool_call_latency_seconds_bucket{tool="add",outcome="ok",le="+Inf"}"#
+        ),
+        1.0
+    );
+    assert!(!text.contains("tenant="), "{text}");
     // Request ids: generated, or echoed back.
     let res = d
         .http
@@ -392,6 +439,74 @@ async fn operational_routes_need_no_token_and_leak_nothing() {
     assert_eq!(res.headers()["x-request-id"], "req-42");
     let res = d.http.get(d.url("/healthz")).send().await.unwrap();
     assert!(!res.headers()["x-request-id"].is_empty());
+    d.stop().await;
+}
+
+/// The value of the sample whose name and labels are exactly `series`.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no sample {series}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_configured_tenant_labels_only_when_asked() {
+    let d = TestDaemon::start_with(|c| c.telemetry.tenant_labels = true).await;
+    let a = d.create(ALPHA, "quick").await;
+    d.wait_status(ALPHA, &a, "succeeded").await;
+    let b = d.create(BETA, "slow").await;
+    d.wait_status(BETA, &b, "succeeded").await;
+    let text = d
+        .http
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        sample(
+            &text,
+            r#"agentd_model_tokens_total{model="quick",kind="prompt",tenant="alpha"}"#
+        ) > 0.0,
+        "{text}"
+    );
+    assert!(
+        sample(
+            &text,
+            r#"agentd_model_tokens_total{model="slow",kind="prompt",tenant="beta"}"#
+        ) > 0.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentd_tenant_runs_entered_total{tenant="alpha",status="succeeded"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentd_tenant_runs_entered_total{tenant="beta",status="created"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentd_tool_calls_total{tool="echo",outcome="ok"}"#
+        ),
+        3.0
+    );
+    assert!(text.contains("# TYPE agentd_tenant_runs_entered_total counter"));
+    assert!(!text.contains(ALPHA) && !text.contains(BETA));
     d.stop().await;
 }
 

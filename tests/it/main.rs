@@ -48,6 +48,8 @@ mod mcp;
 mod nodes;
 /// The OpenAI-compatible provider against the fake server.
 mod openai;
+/// The daemon's own OpenAPI document: named schemas, enums, answers that fit, exact strictness.
+mod openapi;
 /// Run ownership on real daemon processes: controls in inbox order, store outages as pauses.
 mod ownership;
 /// A store wrapper whose lease renewals fail, as behind a partition.
@@ -67,6 +69,8 @@ mod sse;
 mod store_contract;
 /// Runtime harness: in-process runtime on the memory store.
 mod support;
+/// OpenTelemetry traces over OTLP/HTTP against a receiver in the test.
+mod telemetry;
 /// Docs and code stay in step: module docs, the codemap, a pure core, no stubs.
 mod tidy;
 /// A tool that keeps failing waits for an operator (retry, skip, fail); permission errors of
