@@ -148,30 +148,23 @@ pub fn document_for(limits: &LimitsConfig, agents: &[String]) -> Value {
         "description": "The per-call secret agentd sent to a long-running tool as X-Agentd-Callback-Token; valid for that one call only."
     });
     doc["paths"]["/v1/runs/{id}/calls/{call_id}/result"] = callback_path();
+    let (result, taken) = callback_schemas();
+    doc["components"]["schemas"]["CallResult"] = result;
+    doc["components"]["schemas"]["CallResultTaken"] = taken;
     doc
 }
 
 /// `POST /v1/runs/{id}/calls/{call_id}/result` (its own function: one `json!` would nest past
 /// the macro's recursion limit).
 fn callback_path() -> Value {
-    let result = json!({
-        "type": "object", "required": ["ok"], "additionalProperties": false,
-        "properties": {
-            "ok": { "type": "boolean" },
-            "data": { "description": "The result (ok: true)." },
-            "error": { "type": "object", "required": ["code", "message"], "additionalProperties": false,
-                "properties": { "code": { "type": "string" }, "message": { "type": "string" } } }
-        }
-    });
     json!({ "post": {
         "operationId": "completeCall",
         "summary": "A long-running tool completes a call it accepted (202); authenticated by that call's callback token only",
         "security": [{ "callToken": [] }],
         "parameters": [id_param(), { "name": "call_id", "in": "path", "required": true, "schema": { "type": "string", "pattern": "^call_[A-Za-z0-9_-]+$" } }],
-        "requestBody": { "required": true, "content": { "application/json": { "schema": result } } },
+        "requestBody": body("CallResult", true),
         "responses": {
-            "200": { "description": "The result was taken: it is the call's result.", "content": { "application/json": { "schema": {
-                "type": "object", "properties": { "run_id": { "type": "string" }, "call_id": { "type": "string" }, "accepted": { "const": true } } } } } },
+            "200": ok_json("The result was taken: it is the call's result.", "CallResultTaken"),
             "400": err("Invalid JSON."),
             "401": err("Missing or wrong callback token (a tenant token is not one)."),
             "404": err("No such run or call."),
@@ -181,6 +174,24 @@ fn callback_path() -> Value {
             "503": err("Store unavailable or shutting down.")
         }
     } })
+}
+
+/// The callback route's body and answer.
+fn callback_schemas() -> (Value, Value) {
+    let result = json!({
+        "type": "object", "required": ["ok"], "additionalProperties": false,
+        "properties": {
+            "ok": { "type": "boolean" },
+            "data": { "description": "The result (ok: true)." },
+            "error": { "type": "object", "required": ["code", "message"], "additionalProperties": false,
+                "properties": { "code": { "type": "string" }, "message": { "type": "string" } } }
+        }
+    });
+    let taken = json!({
+        "type": "object", "required": ["run_id", "call_id", "accepted"],
+        "properties": { "run_id": { "type": "string" }, "call_id": { "type": "string" }, "accepted": { "const": true } }
+    });
+    (result, taken)
 }
 
 fn schemas(limits: &LimitsConfig, agents: &[String]) -> Value {

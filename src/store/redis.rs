@@ -128,8 +128,9 @@ for i = 1, n do
   redis.call('XADD', KEYS[2], ARGV[4 + 2 * i] .. '-0', 'e', ARGV[5 + 2 * i])
 end
 local m = tonumber(ARGV[6 + 2 * n])
-for i = 1, m do
-  redis.call('RPUSH', KEYS[3], ARGV[6 + 2 * n + i])
+-- One RPUSH per chunk (unpack is bounded by Lua's stack).
+for i = 1, m, 500 do
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, 6 + 2 * n + i, 6 + 2 * n + math.min(i + 499, m)))
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[1], 'doc', ARGV[2], 'status', ARGV[3],
   'terminal', ARGV[4], 'seq', n, 'tokens', 0)
@@ -165,8 +166,8 @@ for i = 1, n do
   redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
 end
 local m = tonumber(ARGV[9 + 2 * n])
-for i = 1, m do
-  redis.call('RPUSH', KEYS[3], ARGV[9 + 2 * n + i])
+for i = 1, m, 500 do
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, 9 + 2 * n + i, 9 + 2 * n + math.min(i + 499, m)))
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[3], 'doc', ARGV[4], 'status', ARGV[5],
   'terminal', ARGV[6], 'seq', last + n)

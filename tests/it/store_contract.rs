@@ -989,6 +989,13 @@ async fn transcript_is_append_only(s: &dyn Store) {
     quiet.transcript_from = 3;
     s.commit(&lease, &quiet, 2, &[ev(3)]).await.unwrap();
     assert_eq!(s.load(&run).await.unwrap().unwrap().transcript.len(), 3);
+    // A long transcript (a migrated run's first rewrite stores all of it) in one write.
+    let long = RunId::generate();
+    let mut c = ckpt(&long, "t", 1);
+    c.transcript = (0..1234).map(|i| format!(r#"{{"m":{i}}}"#)).collect();
+    s.create(&c, &[ev(1)], None).await.unwrap();
+    let loaded = s.load(&long).await.unwrap().unwrap();
+    assert_eq!(loaded.transcript, c.transcript);
     // A listing carries no transcript.
     let page = s
         .list_runs("t", &RunFilter::default(), None, 100)
