@@ -282,6 +282,16 @@ pub enum Effect {
         epoch: u64,
         after_ms: u64,
     },
+    /// Send the compensating call `call_id` (its intent is in `RunState::compensations`).
+    Compensate {
+        epoch: u64,
+        call_id: CallId,
+    },
+    /// Ask the compensating tool whether the compensating call `call_id` already ran.
+    CheckCompensation {
+        epoch: u64,
+        call_id: CallId,
+    },
     /// Cancel every request in flight for this run.
     AbortInFlight,
     /// The run is over: stop its actor.
@@ -365,6 +375,23 @@ pub trait ToolCatalog {
         let _ = name;
         OnPermissionError::Fail
     }
+    /// The call that undoes a successful call of `name`, with the compensating tool's facts
+    /// (default: none). The compensating tool need not be on the agent's list.
+    fn compensation(&self, name: &str) -> Option<CompensationPlan<'_>> {
+        let _ = name;
+        None
+    }
+}
+
+/// How a successful call of one tool is undone (see `machine::compensate`).
+#[derive(Debug, Clone, Copy)]
+pub struct CompensationPlan<'a> {
+    pub rule: &'a crate::tool::Compensate,
+    /// The compensating tool's policy facts.
+    pub info: ToolInfo,
+    /// The compensating tool's deny and path rules (its scopes are not checked: it undoes
+    /// what the run was allowed to do).
+    pub guard: Option<&'a Guard>,
 }
 
 /// Bounds the machine enforces besides the budget.
@@ -429,6 +456,7 @@ pub fn step(
     cx: &StepContext<'_>,
 ) -> Result<Transition, InvalidTransition> {
     let was_terminal = state.is_terminal();
+    let was_compensating = state.phase == Some(Phase::Compensating);
     let mut t = if was_terminal {
         if !event.is_reply() {
             return Err(invalid(
@@ -445,6 +473,9 @@ pub fn step(
     } else {
         dispatch(state, event, cx)?
     };
+    if !was_terminal && !was_compensating && state.is_terminal() {
+        compensate::on_end(state, &mut t, cx);
+    }
     if !was_terminal && state.is_terminal() {
         let terminal_kind = match state.status {
             Status::Succeeded => "run_succeeded",
@@ -544,7 +575,13 @@ pub fn apply_control(
 /// Whether `control` repeats a decision the run already took.
 fn is_repeat(state: &RunState, control: &Control) -> bool {
     match control {
-        Control::Cancel { .. } => state.status == Status::Cancelled,
+        Control::Cancel { .. } => {
+            state.status == Status::Cancelled
+                || state
+                    .ending
+                    .as_ref()
+                    .is_some_and(|e| e.status == Status::Cancelled)
+        }
         Control::Approve { call_id, .. } => state.decided.contains(&(call_id.clone(), true)),
         Control::Reject { call_id, .. } => state.decided.contains(&(call_id.clone(), false)),
         Control::Fail { call_id, .. } => state.failed_call.as_ref() == Some(call_id),
@@ -610,6 +647,9 @@ fn dispatch(
 ) -> Result<Transition, InvalidTransition> {
     use RunEvent as E;
     let phase = s.phase;
+    if phase == Some(Phase::Compensating) {
+        return compensate::dispatch(s, event, cx);
+    }
     match (s.status, event) {
         (_, E::Cancel { reason }) => {
             s.status = Status::Cancelled;
@@ -786,6 +826,7 @@ fn dispatch(
                     Err(_) => c.status = CallStatus::OutcomeUnknown,
                 }
             }
+            compensate::record(s, &call_id, cx);
             let effects = advance_batch(s, cx);
             let mut t = out(
                 "call_reconciled",
@@ -1537,7 +1578,10 @@ fn on_tool_finished(
     if let Some(result) = settled {
         let tool = c.tool.clone();
         match judge_result(s, &tool, &result, cx) {
-            Judged::Answer => settle(s, &call_id, result, None, cx.now_ms),
+            Judged::Answer => {
+                settle(s, &call_id, result, None, cx.now_ms);
+                compensate::record(s, &call_id, cx);
+            }
             Judged::Hold(reason, failures) => {
                 if let Value::Object(m) = &mut data {
                     m.insert("held".into(), json!(reason.as_str()));
@@ -2046,6 +2090,8 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
         }
     }
 }
+
+mod compensate;
 
 #[cfg(test)]
 mod tests;
