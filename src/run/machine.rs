@@ -61,12 +61,26 @@
 //! | * | a control that does not fit (`apply_control`) | same, the control consumed | — | control_refused |
 //! | * | Abort | failed (given code) | AbortInFlight, Finish | run_failed |
 //! | * | DeadlineReached | failed (`budget_exceeded`) | AbortInFlight, Finish | run_failed |
+//! | * | any transition above that would end the run `cancelled` or `failed` while a compensation is pending | running/compensating, the end kept in `ending` | AbortInFlight, Compensate (the newest) | compensation_started (`cause` = the type it would have had) |
+//! | running/compensating | ToolFinished (of the compensation in flight) | the next compensation, or the recorded end | Compensate, or Finish | compensation_finished; the last one the terminal type (`cause` = compensation_finished) |
+//! | running/compensating | ToolRetrying (the executor retries it) | same | — | compensation_retrying |
+//! | running/compensating | RetryDue (after `overloaded`) | same | Compensate | compensation_retry |
+//! | running/compensating | StatusChecked | the next compensation, or the recorded end | Compensate / Finish | compensation_reconciled |
+//! | running/compensating | Resume | resend the one in flight (read/idempotent, same key), reconcile it, or `outcome_unknown` | Compensate / CheckCompensation | run_resumed |
+//! | running/compensating | Abort | failed (given code); compensations not run `skipped` | AbortInFlight, Finish | run_failed |
+//! | running/compensating | DeadlineReached (budgets do not block compensation) | same | — | late_result_ignored |
+//! | running/compensating | Cancel (ending `cancelled`: repeated, like the first); any other control | same | — | control_refused |
 //! | * | a reply with a stale epoch or for another phase | same | — | late_result_ignored |
 //! | succeeded, failed, cancelled | a pool or timer reply | same | — | late_result_ignored |
+//!
+//! "compensation": a call of a tool with a `compensate` rule that succeeded recorded its
+//! compensating call (`RunState::compensations`, `pending`); a run that succeeds drops them.
+//! The compensating phase and its rules are in `machine::compensate`.
 //!
 //! Every other (status, event) pair is `Err(InvalidTransition)`. A transition that ends the run
 //! records the terminal event type (`run_succeeded`, `run_failed`, `run_cancelled`) with the
 //! type it would otherwise have had as `data.cause`, so a log has exactly one terminal event.
+//! A run that compensates records it after its last compensation, never before.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
