@@ -541,15 +541,28 @@ fn an_ending_is_kept_in_the_checkpoint() {
 
 // ---- property ----
 
-fn arb_event() -> impl Strategy<Value = RunEvent> {
-    let tool = prop::sample::select(vec!["restart", "deploy", "charge", "echo"]);
+/// What happens next, resolved against the run when it is applied (`resolve`), so random
+/// sequences actually reach and go through the compensating phase.
+#[derive(Debug, Clone)]
+enum Act {
+    /// The model asks for one call of this tool.
+    Reply(&'static str, &'static str),
+    /// The call or compensation in flight finishes with this result (`stale`: with the
+    /// previous epoch).
+    Finish(ToolResult, bool),
+    /// The reconciling call or compensation is answered.
+    Checked(Option<ToolResult>),
+    Retry,
+    Resume,
+    Cancel,
+    Deadline,
+    ModelDown,
+    Abort,
+}
+
+fn arb_act() -> impl Strategy<Value = Act> {
+    let tool = prop::sample::select(vec!["restart", "deploy", "charge", "restart", "echo"]);
     let service = prop::sample::select(vec!["a", "b"]);
-    let reply = (tool, service).prop_map(|(t, v)| calls(&[(t, json!({"service": v}))]));
-    let turn_call = (1u32..5).prop_map(|t| format!("call_{t}_0"));
-    let call = prop_oneof![
-        turn_call.clone(),
-        turn_call.prop_map(|c| format!("{c}_undo"))
-    ];
     let code = prop::sample::select(vec![
         ToolErrorCode::Timeout,
         ToolErrorCode::OutcomeUnknown,
@@ -557,83 +570,96 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
         ToolErrorCode::Failed,
     ]);
     let result = prop_oneof![3 => Just(ok()), 1 => code.prop_map(err)];
-    // Epoch offsets from the current one: mostly current, sometimes stale.
-    let lag = prop::sample::select(vec![0u64, 0, 0, 1]);
     prop_oneof![
-        2 => (lag.clone(), reply).prop_map(|(lag, reply)| Ev::Model(lag, reply)),
-        6 => (lag.clone(), call.clone(), result.clone()).prop_map(|(lag, c, r)| Ev::Tool(lag, c, r)),
-        1 => (lag.clone(), call, prop::option::of(result)).prop_map(|(lag, c, r)| Ev::Status(lag, c, r)),
-        1 => lag.prop_map(Ev::Retry),
-        1 => Just(Ev::Plain(RunEvent::Resume)),
-        1 => Just(Ev::Plain(RunEvent::Cancel { reason: None })),
-        1 => Just(Ev::Plain(RunEvent::DeadlineReached)),
-        1 => Just(Ev::Plain(RunEvent::Abort { code: "crash_loop".into(), message: "m".into() })),
+        4 => (tool, service).prop_map(|(t, v)| Act::Reply(t, v)),
+        8 => (result.clone(), prop::bool::weighted(0.1)).prop_map(|(r, stale)| Act::Finish(r, stale)),
+        1 => prop::option::of(result).prop_map(Act::Checked),
+        1 => Just(Act::Retry),
+        1 => Just(Act::Resume),
+        // Ends, rarer, so that most sequences get some calls done first.
+        1 => prop_oneof![
+            3 => Just(Act::Cancel),
+            2 => Just(Act::Deadline),
+            2 => Just(Act::ModelDown),
+            1 => Just(Act::Abort),
+        ],
     ]
-    .prop_map(|e| e.into_event())
 }
 
-/// An event whose epoch is given relative to the run's at the time it is applied (resolved
-/// by `resolve`); carried as a plain event with a marker epoch.
-#[derive(Debug, Clone)]
-enum Ev {
-    Model(u64, ModelReply),
-    Tool(u64, String, ToolResult),
-    Status(u64, String, Option<ToolResult>),
-    Retry(u64),
-    Plain(RunEvent),
+/// The call or compensation in `status`-like state: the batch's, then the compensations'.
+fn in_flight(s: &RunState, reconciling: bool) -> Option<CallId> {
+    let want_call = if reconciling {
+        CallStatus::Reconciling
+    } else {
+        CallStatus::Dispatched
+    };
+    let want_comp = if reconciling {
+        C::Reconciling
+    } else {
+        C::Dispatched
+    };
+    s.calls
+        .iter()
+        .find(|c| c.status == want_call)
+        .map(|c| c.call_id.clone())
+        .or_else(|| {
+            s.compensations
+                .iter()
+                .find(|k| k.status == want_comp)
+                .map(|k| k.call_id.clone())
+        })
 }
 
-const LAG: u64 = 1 << 40;
-
-impl Ev {
-    /// Epochs are encoded as `LAG + lag` and resolved against the run when applied.
-    fn into_event(self) -> RunEvent {
-        match self {
-            Ev::Model(l, reply) => RunEvent::ModelReplied {
-                epoch: LAG + l,
-                reply,
+fn resolve(s: &RunState, a: Act) -> RunEvent {
+    let epoch = s.epoch;
+    let fallback: CallId = "call_1_0".parse().unwrap();
+    match a {
+        Act::Reply(tool, service) => RunEvent::ModelReplied {
+            epoch,
+            reply: calls(&[(tool, json!({"service": service}))]),
+        },
+        Act::Finish(result, stale) => RunEvent::ToolFinished {
+            epoch: if stale {
+                epoch.saturating_sub(1)
+            } else {
+                epoch
             },
-            Ev::Tool(l, c, result) => RunEvent::ToolFinished {
-                epoch: LAG + l,
-                call_id: c.parse().unwrap(),
-                result,
-            },
-            Ev::Status(l, c, r) => RunEvent::StatusChecked {
-                epoch: LAG + l,
-                call_id: c.parse().unwrap(),
-                outcome: Ok(r),
-            },
-            Ev::Retry(l) => RunEvent::RetryDue { epoch: LAG + l },
-            Ev::Plain(e) => e,
-        }
+            call_id: in_flight(s, false).unwrap_or(fallback),
+            result,
+        },
+        Act::Checked(r) => RunEvent::StatusChecked {
+            epoch,
+            call_id: in_flight(s, true).unwrap_or(fallback),
+            outcome: Ok(r),
+        },
+        Act::Retry => RunEvent::RetryDue { epoch },
+        Act::Resume => RunEvent::Resume,
+        Act::Cancel => RunEvent::Cancel { reason: None },
+        Act::Deadline => RunEvent::DeadlineReached,
+        Act::ModelDown => RunEvent::ModelFailed {
+            epoch,
+            error: crate::model::ModelError::new(crate::model::ModelErrorKind::Unavailable, "down"),
+        },
+        Act::Abort => RunEvent::Abort {
+            code: "crash_loop".into(),
+            message: "m".into(),
+        },
     }
-}
-
-fn resolve(s: &RunState, mut e: RunEvent) -> RunEvent {
-    let fix = |epoch: &mut u64| *epoch = s.epoch.saturating_sub(*epoch - LAG);
-    match &mut e {
-        RunEvent::ModelReplied { epoch, .. }
-        | RunEvent::ToolFinished { epoch, .. }
-        | RunEvent::StatusChecked { epoch, .. }
-        | RunEvent::RetryDue { epoch } => fix(epoch),
-        _ => {}
-    }
-    e
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(1024))]
 
     #[test]
-    fn compensations_run_at_most_once_each_newest_first(events in prop::collection::vec(arb_event(), 1..80)) {
+    fn compensations_run_at_most_once_each_newest_first(acts in prop::collection::vec(arb_act(), 1..80)) {
         let mut s = new_run();
         go(&mut s, RunEvent::Start);
         // Sends per compensation, and whether the previous send of it was cut off by a resume.
         let mut sends: std::collections::HashMap<String, (u32, bool)> = Default::default();
         let mut order: Vec<String> = Vec::new();
         let mut terminal = 0;
-        for e in events {
-            let e = resolve(&s, e);
+        for a in acts {
+            let e = resolve(&s, a);
             let resume = matches!(e, RunEvent::Resume);
             let was_terminal = s.is_terminal();
             let before = s.clone();
@@ -661,11 +687,13 @@ proptest! {
                 let k = s.compensations.iter().find(|k| &k.call_id == call_id).unwrap();
                 let entry = sends.entry(call_id.to_string()).or_insert((0, false));
                 if entry.0 > 0 {
-                    // Sent again: only a tool that may repeat it (same key), or one the pool
-                    // never started / a status check said never ran.
+                    // Sent again: only to a tool that may repeat it (same key), or when the
+                    // pool never started it (`overloaded`: pending) or its status check said
+                    // it never ran (reconciling).
                     let before_k = before.compensations.iter().find(|b| b.call_id == k.call_id).unwrap();
                     prop_assert!(
-                        k.effect != ToolEffect::Unsafe || before_k.status == C::Pending,
+                        k.effect != ToolEffect::Unsafe
+                            || matches!(before_k.status, C::Pending | C::Reconciling),
                         "an unsafe compensation was sent blindly again: {:?}", before_k
                     );
                 } else {
