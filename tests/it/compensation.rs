@@ -7,7 +7,9 @@
 //! terminal event; a compensation that fails is recorded `failed`; and across a kill -9 of a
 //! real daemon process (`ChildDaemon`) while a compensation is in flight, a finished one is
 //! never sent again and the one in flight is resent with the same key (the tool honours
-//! keys, so each compensation is applied exactly once; the raw requests are asserted too).
+//! keys, so each compensation is applied exactly once; the raw requests are asserted too);
+//! with an `unsafe`, naive compensating tool, the one in flight is recorded `outcome_unknown`
+//! and never sent again, and the older call is still undone.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -20,6 +22,25 @@ use crate::daemon_support::{ALPHA, TestDaemon};
 use crate::fakes::{FakeOpenAi, Scripted, ToolBehavior, ToolRequest, ToolServer};
 
 fn config_text(model: &FakeOpenAi, tools: &ToolServer, store: &str, undo_attempts: u32) -> String {
+    config_with_undo(
+        model,
+        tools,
+        store,
+        undo_attempts,
+        "idempotent",
+        &tools.honouring_url(),
+    )
+}
+
+/// `config_text` with the compensating tool's effect and URL.
+fn config_with_undo(
+    model: &FakeOpenAi,
+    tools: &ToolServer,
+    store: &str,
+    undo_attempts: u32,
+    undo_effect: &str,
+    undo_url: &str,
+) -> String {
     format!(
         r#"
 [server]
@@ -53,7 +74,7 @@ kind = "http"
 url = "{undo_url}"
 description = "Undo a restart"
 parameters = {{ type = "object", properties = {{ service = {{ type = "string" }}, reason = {{ type = "string" }} }}, required = ["service"] }}
-effect = "idempotent"
+effect = "{undo_effect}"
 max_attempts = {undo_attempts}
 timeout = "30s"
 
@@ -65,7 +86,6 @@ max_turns = 8
 "#,
         model_url = model.url(),
         tool_url = tools.tool_url(),
-        undo_url = tools.honouring_url(),
     )
 }
 
@@ -479,4 +499,61 @@ async fn kill9_while_the_first_compensation_is_in_flight_resends_it_with_its_key
 #[tokio::test]
 async fn kill9_during_the_second_compensation_never_repeats_the_first() {
     kill9_during_compensation(1).await;
+}
+
+#[tokio::test]
+async fn kill9_during_an_unsafe_compensation_records_it_outcome_unknown_and_never_resends_it() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    two_restarts_then_ask(&model);
+    // The undo of `db` is applied, then never answered; the tool is naive and `unsafe`.
+    tools
+        .push(ToolBehavior::Apply)
+        .push(ToolBehavior::Apply)
+        .push(ToolBehavior::ApplyThenHang);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    let store = format!("file:{}", dir.path().join("data").display());
+    let cfg = dir.path().join("agentd.toml");
+    let log = dir.path().join("agentd.log");
+    let text = config_with_undo(&model, &tools, &store, 1, "unsafe", &tools.tool_url());
+    std::fs::write(&cfg, text).unwrap();
+    let d = ChildDaemon::start(&cfg, &log).await;
+    let (s, v) = d
+        .post(
+            "/v1/runs",
+            ALPHA,
+            &json!({"agent": "ops", "input": "restart"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["id"].as_str().unwrap().to_owned();
+    wait_run_child(&d, &id, &log, |v| v["status"] == "waiting_input").await;
+    let (s, v) = d
+        .post(&format!("/v1/runs/{id}/cancel"), ALPHA, &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(s, StatusCode::OK, "{v}");
+    wait_requests(&tools, "undo_restart", 1, &log).await;
+    d.kill9();
+
+    let d = ChildDaemon::start(&cfg, &log).await;
+    let run = wait_run_child(&d, &id, &log, |v| v["status"] == "cancelled").await;
+    let (k_api, k_db) = check_record(&run, ["done", "outcome_unknown"]);
+    // Never sent blindly a second time; the older call is still undone.
+    assert_eq!(tools.attempts(&k_db), 1, "{:?}", tools.all_attempts());
+    assert_eq!(tools.executions(&k_db), 1);
+    assert_eq!(tools.attempts(&k_api), 1);
+    assert_eq!(tools.executions(&k_api), 1);
+    let (s, v) = d.get(&format!("/v1/runs/{id}/events"), ALPHA).await;
+    assert_eq!(s, StatusCode::OK);
+    let ev = v["events"].as_array().unwrap().clone();
+    check_log(&ev, "run_cancelled");
+    let resumed = ev.iter().find(|e| e["type"] == "run_resumed").unwrap();
+    assert_eq!(
+        resumed["data"]["compensations_outcome_unknown"],
+        json!(["call_2_0_undo"])
+    );
+    d.kill9();
 }
