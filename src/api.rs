@@ -9,6 +9,7 @@
 
 pub mod approvals;
 pub mod auth;
+pub mod calls;
 pub mod console;
 pub mod dto;
 pub mod error;
@@ -64,9 +65,21 @@ pub struct Route {
     pub method: &'static str,
     /// axum path syntax (`/v1/runs/{id}`), identical to the OpenAPI path.
     pub path: &'static str,
-    /// Needs a bearer token (every `/v1` route).
-    pub auth: bool,
+    /// Who may call it.
+    pub auth: Access,
     make: fn() -> MethodRouter<AppState>,
+}
+
+/// How a route is authenticated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// No token (operations, the console).
+    Open,
+    /// A tenant's bearer token (every other `/v1` route); the run must be the tenant's.
+    Tenant,
+    /// The per-call callback token of a long-running tool call, and nothing else: a tenant
+    /// token is refused (`401`). Checked by the handler (`api::calls`).
+    CallToken,
 }
 
 /// Every route, in the order of API.md.
@@ -74,103 +87,109 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "POST",
         path: "/v1/runs",
-        auth: true,
+        auth: Access::Tenant,
         make: || post(runs::create),
     },
     Route {
         method: "GET",
         path: "/v1/runs",
-        auth: true,
+        auth: Access::Tenant,
         make: || get(runs::list),
     },
     Route {
         method: "GET",
         path: "/v1/runs/{id}",
-        auth: true,
+        auth: Access::Tenant,
         make: || get(runs::get_run),
     },
     Route {
         method: "GET",
         path: "/v1/runs/{id}/events",
-        auth: true,
+        auth: Access::Tenant,
         make: || get(runs::events),
     },
     Route {
         method: "GET",
         path: "/v1/runs/{id}/messages",
-        auth: true,
+        auth: Access::Tenant,
         make: || get(runs::messages),
     },
     Route {
         method: "POST",
         path: "/v1/runs/{id}/cancel",
-        auth: true,
+        auth: Access::Tenant,
         make: || post(runs::cancel),
     },
     Route {
         method: "POST",
         path: "/v1/runs/{id}/approvals/{call_id}",
-        auth: true,
+        auth: Access::Tenant,
         make: || post(runs::decide),
     },
     Route {
         method: "POST",
         path: "/v1/runs/{id}/input",
-        auth: true,
+        auth: Access::Tenant,
         make: || post(runs::input),
+    },
+    Route {
+        method: "POST",
+        path: "/v1/runs/{id}/calls/{call_id}/result",
+        auth: Access::CallToken,
+        make: || post(calls::complete),
     },
     Route {
         method: "GET",
         path: "/v1/approvals",
-        auth: true,
+        auth: Access::Tenant,
         make: || get(approvals::list),
     },
     Route {
         method: "GET",
         path: "/v1/agents",
-        auth: true,
+        auth: Access::Tenant,
         make: || get(ops::agents),
     },
     Route {
         method: "GET",
         path: "/",
-        auth: false,
+        auth: Access::Open,
         make: || get(console::index),
     },
     Route {
         method: "GET",
         path: "/console/app.js",
-        auth: false,
+        auth: Access::Open,
         make: || get(console::app_js),
     },
     Route {
         method: "GET",
         path: "/console/style.css",
-        auth: false,
+        auth: Access::Open,
         make: || get(console::style_css),
     },
     Route {
         method: "GET",
         path: "/healthz",
-        auth: false,
+        auth: Access::Open,
         make: || get(ops::healthz),
     },
     Route {
         method: "GET",
         path: "/readyz",
-        auth: false,
+        auth: Access::Open,
         make: || get(ops::readyz),
     },
     Route {
         method: "GET",
         path: "/metrics",
-        auth: false,
+        auth: Access::Open,
         make: || get(ops::metrics),
     },
     Route {
         method: "GET",
         path: "/openapi.json",
-        auth: false,
+        auth: Access::Open,
         make: || get(ops::openapi),
     },
 ];
@@ -326,7 +345,7 @@ pub fn router(state: AppState) -> Router {
     let mut authed: Router<AppState> = Router::new();
     let mut open: Router<AppState> = Router::new();
     for r in ROUTES {
-        if r.auth {
+        if r.auth == Access::Tenant {
             authed = authed.route(r.path, (r.make)());
         } else {
             open = open.route(r.path, (r.make)());

@@ -141,6 +141,15 @@ pub struct ServerConfig {
     /// is closed (a reader that stopped reading, e.g. an SSE client).
     #[serde(with = "crate::config_duration")]
     pub write_timeout: Duration,
+    /// The base URL tools reach this daemon at, for the callback route of long-running tools
+    /// (`X-Agentd-Callback-Url`). Default: `http://` and the address the daemon listens on
+    /// (`127.0.0.1` for an unspecified address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_url: Option<String>,
+    /// The key of per-call callback tokens (literal or `env:NAME`); every node of a cluster
+    /// needs the same. Default: derived from the configured tenant tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callback_secret: Option<Secret>,
 }
 
 impl Default for ServerConfig {
@@ -152,6 +161,8 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             max_connections: 4096,
             write_timeout: Duration::from_secs(30),
+            public_url: None,
+            callback_secret: None,
         }
     }
 }
@@ -452,6 +463,28 @@ pub struct ToolConfig {
     /// of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// http: the deadline of a call the tool accepted to finish later (`202`), from its
+    /// acceptance. Default: `timeout`.
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub task_timeout: Option<Duration>,
+    /// http: the first wait before polling an accepted call's status URL (default 1s); later
+    /// waits grow by half, with jitter, up to `poll_max_interval` (default 30s).
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub poll_interval: Option<Duration>,
+    #[serde(
+        default,
+        with = "crate::config_duration::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub poll_max_interval: Option<Duration>,
     /// Calls of the tool failing in a row in one run (after those retries) before the run
     /// waits for an operator with reason `tool_failing` (default 3; 0 = never).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -537,6 +570,9 @@ impl ToolConfig {
             requests_per_second: None,
             polling: None,
             max_attempts: None,
+            task_timeout: None,
+            poll_interval: None,
+            poll_max_interval: None,
             max_failures: None,
             on_permission_error: None,
             command: None,
@@ -673,7 +709,8 @@ pub struct RuntimeSection {
     /// How long a control request waits for the run to apply it.
     #[serde(with = "crate::config_duration")]
     pub control_timeout: Duration,
-    /// A run waiting for approval or input this long gives up its actor; "0s" = never.
+    /// A run waiting for approval, input or long-running tool calls this long gives up its
+    /// actor; "0s" = never.
     #[serde(with = "crate::config_duration")]
     pub passivate_after: Duration,
     pub restart: RestartSection,
@@ -1000,6 +1037,11 @@ impl Config {
                 "must be longer than server.sse_keep_alive",
             ));
         }
+        if let Some(u) = &self.server.public_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            return Err(invalid("server.public_url", "must be an http(s) URL"));
+        }
         if self.server.max_connections == 0 {
             return Err(invalid("server.max_connections", "must be at least 1"));
         }
@@ -1208,6 +1250,15 @@ impl Config {
                     format!("{key}.max_attempts"),
                     format!("must be between 1 and {}", crate::tool::MAX_CALL_ATTEMPTS),
                 ));
+            }
+            for (k, d) in [
+                ("task_timeout", t.task_timeout),
+                ("poll_interval", t.poll_interval),
+                ("poll_max_interval", t.poll_max_interval),
+            ] {
+                if d.is_some_and(|d| d.is_zero()) {
+                    return Err(invalid(format!("{key}.{k}"), "must be more than 0s"));
+                }
             }
             if let Some(p) = &t.parameters {
                 jsonschema::draft202012::options().build(p).map_err(|e| {
@@ -1521,6 +1572,7 @@ impl Config {
             t.bearer_token = t.bearer_token.as_ref().map(Secret::redacted);
         }
         c.secrets.values = c.secrets.values.iter().map(Secret::redacted).collect();
+        c.server.callback_secret = c.server.callback_secret.as_ref().map(Secret::redacted);
         c
     }
 
@@ -1602,6 +1654,8 @@ impl Config {
                 n => Some(n),
             },
             max_input_bytes: self.limits.max_input_bytes,
+            // Needs the address the daemon listens on: set by `daemon::run`.
+            callbacks: None,
         }
     }
 }

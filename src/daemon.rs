@@ -79,7 +79,12 @@ pub async fn run_with(
     // secret from here on.
     crate::redact::install_log_redactor(built.redactor.clone());
     let mcp_servers = built.mcp_servers;
-    let runtime = match Runtime::start(config.runtime_config(), built.parts).await {
+    let mut runtime_config = config.runtime_config();
+    runtime_config.callbacks = Some(Arc::new(parts::build_callbacks(
+        &config,
+        listener.local_addr()?,
+    )?));
+    let runtime = match Runtime::start(runtime_config, built.parts).await {
         Ok(r) => r,
         Err(e) => {
             for s in &mcp_servers {

@@ -77,6 +77,8 @@ pub struct Metrics {
     pub tool_latency: Histogram,
     pub model_errors: AtomicU64,
     pub tool_errors: AtomicU64,
+    /// Polls of long-running calls' status URLs (each one short pool job).
+    pub tool_polls: AtomicU64,
     /// Runs paused now because the store does not answer (they continue when it does).
     pub paused_runs: AtomicI64,
     /// Runs this node took over from another node (dead owner, released, or queued).
@@ -144,6 +146,11 @@ impl Metrics {
                 "agentd_tool_errors_total",
                 "Tool calls that returned an error.",
                 &self.tool_errors,
+            ),
+            (
+                "agentd_tool_polls_total",
+                "Polls of the status URLs of long-running tool calls.",
+                &self.tool_polls,
             ),
             (
                 "agentd_runs_quarantined_total",

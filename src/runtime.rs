@@ -35,6 +35,7 @@ use crate::run::{Budget, Policy, RunState, Status};
 use crate::runtime::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
 use crate::runtime::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
 use crate::store::{self, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
+use crate::tool::ToolResult;
 use crate::tool::executor::ToolExecutor;
 use crate::tool::registry::Registry;
 
@@ -59,9 +60,13 @@ pub struct RuntimeConfig {
     pub max_active_runs_per_tenant: Option<usize>,
     /// Largest goal (`input`) accepted, in bytes of JSON.
     pub max_input_bytes: usize,
-    /// A run waiting for approval or input this long gives up its actor (its state stays in
-    /// the store) and is rehydrated by its next message. `None`: never.
+    /// A run waiting for approval, input or long-running tool calls this long gives up its
+    /// actor (its state stays in the store) and is rehydrated by its next message or timer.
+    /// `None`: never.
     pub passivate_after: Option<Duration>,
+    /// The callback route of long-running tools (`server.public_url` and the callback key);
+    /// `None`: calls carry no callback and results arrive by polling only.
+    pub callbacks: Option<Arc<crate::tool::callback::Callbacks>>,
 }
 
 impl Default for RuntimeConfig {
@@ -83,6 +88,7 @@ impl Default for RuntimeConfig {
             max_active_runs_per_tenant: None,
             max_input_bytes: 256 * 1024,
             passivate_after: Some(Duration::from_secs(60)),
+            callbacks: None,
         }
     }
 }
@@ -383,6 +389,7 @@ impl Runtime {
             redactor,
             leases: ownership::LeaseBook::default(),
             mismatched: DashMap::new(),
+            callbacks: config.callbacks.clone(),
         });
         let instance = ownership::instance_id();
         let store = &deps.store;
@@ -583,7 +590,8 @@ impl RuntimeHandle {
         run.messages.push(Message::User {
             content: input_text,
         });
-        let checkpoint = checkpoint_of(&run).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let checkpoint =
+            checkpoint_of(&mut run).map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let mut data = serde_json::json!({
             "agent": run.agent, "input": run.input, "budget": run.budget, "status": "created", "phase": null,
         });
@@ -718,13 +726,16 @@ impl RuntimeHandle {
         let runs = page
             .items
             .iter()
-            .filter_map(|cp| match state_of(cp) {
-                Ok(run) => Some(run),
-                Err(e) => {
-                    self.quarantine(&cp.run_id, format!("its checkpoint does not decode: {e}"));
-                    None
-                }
-            })
+            // A listing shows no messages: the transcript is not read.
+            .filter_map(
+                |cp| match crate::run::format::decode_without_transcript(&cp.body) {
+                    Ok(run) => Some(run),
+                    Err(e) => {
+                        self.quarantine(&cp.run_id, format!("its checkpoint does not decode: {e}"));
+                        None
+                    }
+                },
+            )
             .collect();
         Ok((runs, page.next_cursor))
     }
@@ -1024,6 +1035,67 @@ impl RuntimeHandle {
                 reason,
                 by,
             }
+        };
+        self.control(&run, control).await
+    }
+
+    /// Whether `token` is the callback token of `call_id` in run `id` (constant time; false
+    /// when this runtime offers no callback route).
+    pub fn verify_callback(&self, id: &RunId, call_id: &CallId, token: &str) -> bool {
+        self.inner
+            .deps
+            .callbacks
+            .as_ref()
+            .is_some_and(|c| c.verify(id, call_id, token))
+    }
+
+    /// A long-running tool's result for one call, through the callback route (the caller
+    /// checked the call's token with [`Self::verify_callback`]). Stored in the run's inbox, so
+    /// it reaches the run on whichever node owns it, and wakes a passivated run. The first
+    /// result wins; a call that already has one, or a run that ended, is `InvalidState`.
+    pub async fn complete_call(
+        &self,
+        id: &RunId,
+        call_id: &CallId,
+        result: ToolResult,
+    ) -> Result<RunState, Error> {
+        let cp = self
+            .inner
+            .deps
+            .store
+            .load(id)
+            .await?
+            .ok_or(Error::NotFound)?;
+        let run = state_of(&cp).map_err(|e| Error::Store(store::Error::Corrupt(e.to_string())))?;
+        if run.is_terminal() {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: "the run has already ended; the result is not used".into(),
+            });
+        }
+        let Some(call) = run.call(call_id).filter(|c| {
+            matches!(
+                c.status,
+                crate::run::CallStatus::Dispatched | crate::run::CallStatus::AwaitingResult
+            )
+        }) else {
+            return Err(Error::InvalidState {
+                status: run.status,
+                message: format!("call {call_id} already has its result"),
+            });
+        };
+        // Like any tool result: redacted whole, then cut to the tool's output cap.
+        let max_bytes = self
+            .inner
+            .deps
+            .agents
+            .get(&run.agent)
+            .and_then(|a| a.tools.tool(&call.tool))
+            .map_or(64 * 1024, |t| t.spec().max_output_bytes);
+        let result = result.sanitized(&self.inner.deps.redactor, max_bytes);
+        let control = Control::CallResult {
+            call_id: call_id.clone(),
+            result,
         };
         self.control(&run, control).await
     }

@@ -46,8 +46,25 @@ pub struct Checkpoint {
     pub version: u64,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
-    /// JSON of `run::RunState`.
+    /// JSON of `run::RunState` without its transcript (format 3; earlier formats hold the
+    /// transcript inline).
     pub body: String,
+    /// Transcript entries (one message's JSON each), stored append-only beside the record,
+    /// never inside it. On a create or commit: the entries to append, the first at index
+    /// `transcript_from`, which must be the number the store holds (a mismatch is a torn
+    /// record, refused as corrupt). On a load: the whole transcript (`transcript_from` 0). In
+    /// a listing: empty.
+    #[serde(skip)]
+    pub transcript: Vec<String>,
+    #[serde(skip)]
+    pub transcript_from: u64,
+}
+
+/// A commit or create that does not continue the stored transcript where it ends.
+pub(crate) fn torn_transcript(run: &RunId, from: u64, stored: u64) -> Error {
+    Error::Corrupt(format!(
+        "run {run}: the write continues the transcript at entry {from} but the store holds {stored}"
+    ))
 }
 
 /// Proof of ownership of one run. `token` grows each time the run changes owner, so a writer
@@ -85,6 +102,12 @@ pub enum Control {
     },
     Input {
         text: String,
+    },
+    /// A long-running tool's result for one call, sent through the callback route (its
+    /// per-call token was checked before the entry was stored; the token is not stored).
+    CallResult {
+        call_id: CallId,
+        result: crate::tool::ToolResult,
     },
     /// An operator's decision `fail` on a call waiting for one: end the run `failed`.
     Fail {

@@ -7,6 +7,7 @@
 
 pub mod approval;
 pub mod builtin;
+pub mod callback;
 pub mod executor;
 pub mod http;
 pub mod mcp;
@@ -142,6 +143,13 @@ pub struct ToolSpec {
     /// transiently (retried by the executor with the same key; `unsafe` tools are never
     /// retried blindly).
     pub max_attempts: u32,
+    /// The deadline of a call the tool accepted to finish later (`202`), counted from its
+    /// acceptance; `None`: the tool's `timeout`.
+    pub task_timeout: Option<Duration>,
+    /// The first wait before polling an accepted call's status URL; later waits grow (with
+    /// jitter) up to `poll_max_interval`.
+    pub poll_interval: Duration,
+    pub poll_max_interval: Duration,
     /// Calls of this tool (after the executor's retries) failing in a row in one run before
     /// the run waits for an operator with reason `tool_failing`; 0 = never (the model hears of
     /// every failure, and the no-progress rules apply).
@@ -175,10 +183,18 @@ impl ToolSpec {
             reconcilable: false,
             guard: Arc::new(Guard::default()),
             max_attempts: 3,
+            task_timeout: None,
+            poll_interval: Duration::from_secs(1),
+            poll_max_interval: Duration::from_secs(30),
             max_failures: DEFAULT_MAX_FAILURES,
             on_permission_error: OnPermissionError::Fail,
             compensate: None,
         }
+    }
+
+    /// How long an accepted call may take before it fails with `timeout`.
+    pub fn task_deadline(&self) -> Duration {
+        self.task_timeout.unwrap_or(self.timeout)
     }
 
     pub fn effect(mut self, effect: ToolEffect) -> Self {
@@ -326,6 +342,44 @@ pub struct ToolContext {
     pub idempotency_key: String,
     /// Cancelled when the run is cancelled or the call times out.
     pub cancel: CancellationToken,
+    /// How a tool may finish the call later (`202 Accepted`): the callback route and token,
+    /// and where the tool notes that it accepted the call.
+    pub long_running: LongRunning,
+}
+
+/// The long-running side of one call: the callback a tool may use to complete it, and the
+/// note a tool leaves when it accepted the call to finish it later (read by the executor,
+/// which then answers the run "accepted" instead of a result).
+#[derive(Debug, Clone, Default)]
+pub struct LongRunning {
+    /// `None` when the daemon has no callback route (e.g. a runtime without HTTP API).
+    pub callback: Option<callback::Callback>,
+    accepted: Arc<std::sync::OnceLock<Accepted>>,
+}
+
+/// The tool accepted the call (`202 Accepted`) and finishes it later.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Accepted {
+    /// Where its status is polled (`None`: the tool only calls back).
+    pub status_url: Option<String>,
+}
+
+impl LongRunning {
+    pub fn new(callback: Option<callback::Callback>) -> Self {
+        LongRunning {
+            callback,
+            accepted: Arc::default(),
+        }
+    }
+
+    /// Notes that the tool accepted the call; the first note counts.
+    pub fn accept(&self, status_url: Option<String>) {
+        let _ = self.accepted.set(Accepted { status_url });
+    }
+
+    pub fn accepted(&self) -> Option<&Accepted> {
+        self.accepted.get()
+    }
 }
 
 /// Classified tool failure codes, as the model and operators see them.
@@ -500,6 +554,17 @@ pub trait Tool: Send + Sync + 'static {
         Err(ToolError::new(
             ToolErrorCode::Failed,
             "this tool cannot report the status of a call",
+        ))
+    }
+
+    /// Long-running calls: asks `status_url` how the accepted call stands. `Ok(None)`: still
+    /// running; `Ok(Some(result))`: finished; `Err` with `retryable` or `timeout`: ask again
+    /// later; any other `Err`: the call failed with it.
+    async fn poll(&self, ctx: &ToolContext, status_url: &str) -> Result<Option<Value>, ToolError> {
+        let _ = (ctx, status_url);
+        Err(ToolError::new(
+            ToolErrorCode::Failed,
+            "this tool cannot be polled",
         ))
     }
 }

@@ -56,6 +56,25 @@ impl Principal {
     }
 }
 
+/// The token of a request's `Authorization: Bearer <token>`: exactly one header, the `Bearer`
+/// scheme (any case), one space, a non-empty token without whitespace.
+pub fn bearer_token(headers: &HeaderMap) -> Option<&str> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let value = values.next()?;
+    if values.next().is_some() || value.len() > MAX_AUTHORIZATION_BYTES {
+        return None;
+    }
+    let value = value.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("bearer")
+        || token.is_empty()
+        || token.bytes().any(|b| b.is_ascii_whitespace())
+    {
+        return None;
+    }
+    Some(token)
+}
+
 /// Token hashes and their principals.
 #[derive(Default)]
 pub struct Auth {
@@ -112,20 +131,7 @@ impl Auth {
     /// The principal of a request's `Authorization: Bearer <token>`, if any. Exactly one
     /// header, the `Bearer` scheme (any case), one space, a non-empty token without whitespace.
     pub fn authenticate(&self, headers: &HeaderMap) -> Option<Principal> {
-        let mut values = headers.get_all(header::AUTHORIZATION).iter();
-        let value = values.next()?;
-        if values.next().is_some() || value.len() > MAX_AUTHORIZATION_BYTES {
-            return None;
-        }
-        let value = value.to_str().ok()?;
-        let (scheme, token) = value.split_once(' ')?;
-        if !scheme.eq_ignore_ascii_case("bearer")
-            || token.is_empty()
-            || token.bytes().any(|b| b.is_ascii_whitespace())
-        {
-            return None;
-        }
-        let presented = digest(token);
+        let presented = digest(bearer_token(headers)?);
         // Compare with every hash, so timing does not depend on which one matched.
         let mut found: Option<&Principal> = None;
         for (hash, principal) in &self.tokens {

@@ -5,12 +5,12 @@
 //! |---|---|---|
 //! | `invalid_json` | 400 | the body is not JSON (the message gives line and column) |
 //! | `invalid_query` | 400 | a query parameter or `Last-Event-ID` is malformed |
-//! | `unauthenticated` | 401 | missing, malformed or unknown bearer token (`WWW-Authenticate: Bearer`) |
+//! | `unauthenticated` | 401 | missing, malformed or unknown bearer token (`WWW-Authenticate: Bearer`); on the callback route, anything but the call's own callback token |
 //! | `forbidden` | 403 | the token has scopes, and none that allows this (approving needs `approve` or `approve:<tool>`) |
 //! | `not_found` | 404 | no such run, call or route — also another tenant's run, and malformed ids |
 //! | `method_not_allowed` | 405 | the route exists, the method does not |
 //! | `request_timeout` | 408 | a non-SSE request took longer than `limits.request_timeout` |
-//! | `invalid_state` | 409 | the run's state does not allow this; `error.status` is the current status |
+//! | `invalid_state` | 409 | the run's state does not allow this (also: a callback for a call that already has its result); `error.status` is the current status |
 //! | `input_queue_full` | 409 | a busy run already holds the most queued inputs |
 //! | `payload_too_large` | 413 | the body (or an input text) is over its limit |
 //! | `invalid_request` | 422 | valid JSON of the wrong shape: wrong types, missing or unknown fields |

@@ -18,7 +18,7 @@ use super::error::ApiError;
 use crate::ids::{CallId, RunId};
 
 /// Reads the body, at most `limit` bytes.
-async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+pub(super) async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, ApiError> {
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)

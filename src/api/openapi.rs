@@ -41,6 +41,48 @@ fn decide_responses() -> Value {
 
 /// The document.
 pub fn document() -> Value {
+    let mut doc = base();
+    doc["components"]["securitySchemes"]["callToken"] = json!({
+        "type": "http", "scheme": "bearer",
+        "description": "The per-call secret agentd sent to a long-running tool as X-Agentd-Callback-Token; valid for that one call only."
+    });
+    doc["paths"]["/v1/runs/{id}/calls/{call_id}/result"] = callback_path();
+    doc
+}
+
+/// `POST /v1/runs/{id}/calls/{call_id}/result` (its own function: one `json!` would nest past
+/// the macro's recursion limit).
+fn callback_path() -> Value {
+    let result = json!({
+        "type": "object", "required": ["ok"], "additionalProperties": false,
+        "properties": {
+            "ok": { "type": "boolean" },
+            "data": { "description": "The result (ok: true)." },
+            "error": { "type": "object", "required": ["code", "message"], "additionalProperties": false,
+                "properties": { "code": { "type": "string" }, "message": { "type": "string" } } }
+        }
+    });
+    json!({ "post": {
+        "operationId": "completeCall",
+        "summary": "A long-running tool completes a call it accepted (202); authenticated by that call's callback token only",
+        "security": [{ "callToken": [] }],
+        "parameters": [id_param(), { "name": "call_id", "in": "path", "required": true, "schema": { "type": "string", "pattern": "^call_[A-Za-z0-9_-]+$" } }],
+        "requestBody": { "required": true, "content": { "application/json": { "schema": result } } },
+        "responses": {
+            "200": { "description": "The result was taken: it is the call's result.", "content": { "application/json": { "schema": {
+                "type": "object", "properties": { "run_id": { "type": "string" }, "call_id": { "type": "string" }, "accepted": { "const": true } } } } } },
+            "400": err("Invalid JSON."),
+            "401": err("Missing or wrong callback token (a tenant token is not one)."),
+            "404": err("No such run or call."),
+            "409": err("The call already has its result (the first one wins), or the run has ended."),
+            "413": err("Body too large."),
+            "422": err("Wrong shape."),
+            "503": err("Store unavailable or shutting down.")
+        }
+    } })
+}
+
+fn base() -> Value {
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -330,7 +372,13 @@ mod tests {
             let op = &doc["paths"][r.path][r.method.to_lowercase()];
             assert_eq!(
                 op["security"] == serde_json::json!([]),
-                !r.auth,
+                r.auth == crate::api::Access::Open,
+                "{}",
+                r.path
+            );
+            assert_eq!(
+                op["security"] == serde_json::json!([{ "callToken": [] }]),
+                r.auth == crate::api::Access::CallToken,
                 "{}",
                 r.path
             );

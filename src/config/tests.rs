@@ -74,6 +74,9 @@ fn default_toml_documents_every_key() {
     tool.requests_per_second = NonZeroU32::new(1);
     tool.polling = Some(true);
     tool.max_attempts = Some(1);
+    tool.task_timeout = Some(Duration::from_secs(1));
+    tool.poll_interval = Some(Duration::from_secs(1));
+    tool.poll_max_interval = Some(Duration::from_secs(1));
     tool.command = Some("x".into());
     tool.args = vec!["x".into()];
     tool.risk = Some(crate::tool::RiskLevel::High);
@@ -106,6 +109,8 @@ fn default_toml_documents_every_key() {
     c.tenants[0].agents = Some(vec!["demo".into()]);
     c.secrets.values = vec![Secret("env:X".into())];
     c.secrets.patterns = vec!["x".into()];
+    c.server.public_url = Some("http://x".into());
+    c.server.callback_secret = Some(Secret("env:X".into()));
     let mut agent = AgentConfig::new("all");
     agent.deadline = Some(Duration::from_secs(1));
     agent.output_schema = Some(serde_json::json!({}));
@@ -276,6 +281,17 @@ fn model_and_tool_call_bounds_are_validated() {
             "{err}"
         );
     }
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.tools.get_mut("restart_service").unwrap().poll_interval = Some(Duration::ZERO);
+    let err = c.validate().unwrap_err().to_string();
+    assert!(
+        err.starts_with("tools.restart_service.poll_interval:"),
+        "{err}"
+    );
+    let mut c = Config::from_toml(MINIMAL).unwrap();
+    c.server.public_url = Some("agentd.internal:7700".into());
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.starts_with("server.public_url:"), "{err}");
     let mut c = Config::from_toml(MINIMAL).unwrap();
     c.runtime.model_retry_window = Duration::ZERO;
     let err = c.validate().unwrap_err().to_string();

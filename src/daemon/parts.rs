@@ -33,6 +33,7 @@ use crate::run::verify::Verifier;
 use crate::runtime::RuntimeParts;
 use crate::store::SharedStore;
 use crate::tool::builtin::{Add, CountingTool, Echo};
+use crate::tool::callback::{CallbackKey, Callbacks};
 use crate::tool::http::HttpTool;
 use crate::tool::mcp::{McpServer, McpServerConfig, McpTransport, NAME_SEPARATOR};
 use crate::tool::registry::Registry;
@@ -150,6 +151,15 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> Result<ToolSpec, Bui
     }
     if let Some(n) = t.max_attempts {
         spec.max_attempts = n;
+    }
+    if let Some(d) = t.task_timeout {
+        spec.task_timeout = Some(d);
+    }
+    if let Some(d) = t.poll_interval {
+        spec.poll_interval = d;
+    }
+    if let Some(d) = t.poll_max_interval {
+        spec.poll_max_interval = d;
     }
     if let Some(n) = t.max_failures {
         spec.max_failures = n;
@@ -420,11 +430,55 @@ pub fn build_redactor(config: &Config) -> Result<Redactor, BuildError> {
     for (i, v) in config.secrets.values.iter().enumerate() {
         r.add_secret(v.resolve(&format!("secrets.values[{i}]"))?);
     }
+    if let Some(k) = resolve(&config.server.callback_secret, "server.callback_secret")? {
+        r.add_secret(k);
+    }
     for (i, p) in config.secrets.patterns.iter().enumerate() {
         r.add_value_pattern(p)
             .map_err(|e| invalid(format!("secrets.patterns[{i}]"), e.to_string()))?;
     }
     Ok(r)
+}
+
+/// The callback route of long-running tools: `server.public_url` (default: `http://` and the
+/// address the daemon listens on, `127.0.0.1` for an unspecified one) and the token key
+/// (`server.callback_secret`, else derived from the tenant tokens, else random).
+pub fn build_callbacks(
+    config: &Config,
+    listening: std::net::SocketAddr,
+) -> Result<Callbacks, BuildError> {
+    let public_url = match &config.server.public_url {
+        Some(u) => {
+            reqwest::Url::parse(u)
+                .map_err(|e| invalid("server.public_url", format!("is not a URL: {e}")))?;
+            u.clone()
+        }
+        None => {
+            let mut addr = listening;
+            if addr.ip().is_unspecified() {
+                addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            format!("http://{addr}")
+        }
+    };
+    let key = match resolve(&config.server.callback_secret, "server.callback_secret")? {
+        Some(secret) => CallbackKey::derive([secret.as_bytes()]),
+        None => {
+            let mut tokens = Vec::new();
+            for (i, t) in config.tenants.iter().enumerate() {
+                for (j, tok) in t.tokens.iter().enumerate() {
+                    tokens.push(tok.secret().resolve(&format!("tenants[{i}].tokens[{j}]"))?);
+                }
+            }
+            tokens.sort();
+            if tokens.is_empty() {
+                CallbackKey::random()
+            } else {
+                CallbackKey::derive(tokens.iter().map(String::as_bytes))
+            }
+        }
+    };
+    Ok(Callbacks::new(&public_url, key))
 }
 
 /// Builds everything the runtime runs from `config` (already validated) on `store`, plus native

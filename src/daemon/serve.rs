@@ -1,8 +1,8 @@
 //! The HTTP server: an accept loop over hyper with the bounds a hostile client cannot get
 //! around. At most `max_connections` connections are open (beyond that, new ones wait in the
 //! listen backlog); a connection whose request headers do not arrive within
-//! `header_read_timeout` — counted from accept, or from the end of the previous response, so
-//! idle keep-alive connections too — is closed. A connection whose client takes no bytes for
+//! `header_read_timeout` — counted from accept (also for a client that sends nothing at all),
+//! or from the end of the previous response, so idle keep-alive connections too — is closed. A connection whose client takes no bytes for
 //! `write_timeout` while there are some to send (a reader that stopped reading, e.g. an SSE
 //! client that never reads) is closed too, which ends its stream and frees what it held. On
 //! `stop`, no new connection is accepted and every open one shuts down gracefully (in-flight
@@ -83,6 +83,23 @@ pub async fn serve(
         let stop = stop.clone();
         let open = open_rx.clone();
         tokio::spawn(async move {
+            // A client that connects and sends nothing: hyper's header timer and its protocol
+            // detection both start at the first byte, so the loop bounds that wait itself.
+            // (`peek`, not `readable`: readiness may be reported before any byte is there.)
+            let mut first = [0u8; 1];
+            let first_byte = tokio::select! {
+                biased;
+                () = stop.cancelled() => false,
+                peeked = tokio::time::timeout(limits.header_read_timeout, stream.peek(&mut first)) => {
+                    matches!(peeked, Ok(Ok(n)) if n > 0)
+                }
+            };
+            if !first_byte {
+                tracing::trace!(%peer, "closing a connection that sent nothing in time");
+                drop(slot);
+                drop(open);
+                return;
+            }
             let io = TokioIo::new(StallLimit::new(stream, limits.write_timeout));
             let conn = builder.serve_connection_with_upgrades(io, service);
             tokio::pin!(conn);

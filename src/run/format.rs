@@ -4,15 +4,21 @@
 //!
 //! Versions:
 //! - 1: the JSON of `RunState` with no version field (every release before the field existed).
-//! - 2: the same fields, with `"format_version": 2` first. `messages` stays the last field, so
-//!   `runtime::actor::CheckpointWriter` can still splice the transcript in.
+//! - 2: the same fields, with `"format_version": 2` first; the transcript inline.
+//! - 3: the transcript is no longer in the body: it is stored apart, append-only, one entry
+//!   per message, and the body records `transcript_len`, how many entries belong to it (so a
+//!   body whose transcript is shorter is torn, refused as corrupt; entries beyond it belong to
+//!   a later version). `messages` is written empty. Also new in 3: long-running tool calls
+//!   (phase `awaiting_tool`, call status `awaiting_result` and the call's `task`: status URL,
+//!   deadline), names a build that knows only version 2 refuses instead of misreading.
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::Message;
 use crate::run::RunState;
 
 /// The version this build writes.
-pub const CURRENT: u32 = 2;
+pub const CURRENT: u32 = 3;
 /// The oldest version this build reads.
 pub const OLDEST: u32 = 1;
 /// The body's field that names its version; a body without it is version 1.
@@ -27,6 +33,10 @@ pub enum FormatError {
     UnsupportedVersion { found: u64 },
     #[error("checkpoint body does not decode: {0}")]
     Malformed(#[from] serde_json::Error),
+    #[error(
+        "the checkpoint records {expected} transcript entries but only {found} are stored (a torn write)"
+    )]
+    TornTranscript { expected: u64, found: usize },
 }
 
 #[derive(Serialize)]
@@ -34,20 +44,27 @@ struct Versioned<'a> {
     format_version: u32,
     #[serde(flatten)]
     run: &'a RunState,
+    transcript_len: usize,
 }
 
-/// Only the version field; serde skips every other field of the body.
+/// Only the version field and the transcript length; serde skips every other field.
 #[derive(Deserialize)]
 struct Header {
     format_version: Option<u64>,
+    transcript_len: Option<u64>,
 }
 
-/// The body of `run` in the current format.
-pub fn encode(run: &RunState) -> Result<String, serde_json::Error> {
-    serde_json::to_string(&Versioned {
+/// The body of `run` in the current format: every field but the transcript, whose length it
+/// records (`run.messages` is taken out while it is written and put back).
+pub fn encode(run: &mut RunState) -> Result<String, serde_json::Error> {
+    let messages = std::mem::take(&mut run.messages);
+    let body = serde_json::to_string(&Versioned {
         format_version: CURRENT,
         run,
-    })
+        transcript_len: messages.len(),
+    });
+    run.messages = messages;
+    body
 }
 
 /// The version a body declares (1 when it has no version field).
@@ -56,13 +73,51 @@ pub fn version_of(body: &str) -> Result<u64, FormatError> {
     Ok(header.format_version.unwrap_or(1))
 }
 
-/// Reads a body of any supported version into the current `RunState`.
-pub fn decode(body: &str) -> Result<RunState, FormatError> {
-    match version_of(body)? {
+/// Reads a body of any supported version, with the run's stored transcript (entries of
+/// message JSON; ignored by versions that hold it inline), into the current `RunState`.
+pub fn decode(body: &str, transcript: &[String]) -> Result<RunState, FormatError> {
+    let header: Header = serde_json::from_str(body)?;
+    match header.format_version.unwrap_or(1) {
         // Version 2 only added the version field, which `RunState` does not carry (serde
         // ignores it), so both read the same way. A later version that changes fields
         // migrates here, from the oldest up.
         1 | 2 => Ok(serde_json::from_str(body)?),
+        3 => {
+            let mut run: RunState = serde_json::from_str(body)?;
+            let expected = header.transcript_len.unwrap_or(0);
+            let len = usize::try_from(expected).unwrap_or(usize::MAX);
+            let Some(entries) = transcript.get(..len) else {
+                return Err(FormatError::TornTranscript {
+                    expected,
+                    found: transcript.len(),
+                });
+            };
+            run.messages = entries
+                .iter()
+                .map(|m| serde_json::from_str::<Message>(m))
+                .collect::<Result<_, _>>()?;
+            Ok(run)
+        }
+        found => Err(FormatError::UnsupportedVersion { found }),
+    }
+}
+
+/// How many of the run's stored transcript entries a body of this version owns: its
+/// `transcript_len` from version 3 on, none before (those hold the transcript inline, and
+/// their first rewrite stores it from entry 0).
+pub fn stored_transcript_len(body: &str) -> Result<usize, FormatError> {
+    let header: Header = serde_json::from_str(body)?;
+    Ok(match header.format_version.unwrap_or(1) {
+        1 | 2 => 0,
+        _ => usize::try_from(header.transcript_len.unwrap_or(0)).unwrap_or(usize::MAX),
+    })
+}
+
+/// Reads a body without its transcript (a listing, which shows no messages): earlier
+/// versions still bring theirs, version 3 leaves `messages` empty.
+pub fn decode_without_transcript(body: &str) -> Result<RunState, FormatError> {
+    match version_of(body)? {
+        1..=3 => Ok(serde_json::from_str(body)?),
         found => Err(FormatError::UnsupportedVersion { found }),
     }
 }
@@ -84,45 +139,105 @@ mod tests {
         )
     }
 
-    #[test]
-    fn the_current_format_names_its_version_first_and_reads_back() {
-        let run = run();
-        let body = encode(&run).unwrap();
-        assert!(body.starts_with(r#"{"format_version":2,"#), "{body}");
-        assert!(
-            body.ends_with(r#""messages":[]}"#),
-            "messages stay last: {body}"
-        );
-        assert_eq!(version_of(&body).unwrap(), 2);
-        assert_eq!(decode(&body).unwrap(), run);
+    fn entries(run: &RunState) -> Vec<String> {
+        run.messages
+            .iter()
+            .map(|m| serde_json::to_string(m).unwrap())
+            .collect()
+    }
+
+    fn talking() -> RunState {
+        let mut run = run();
+        run.messages.push(Message::User {
+            content: "hello".into(),
+        });
+        run.messages.push(Message::Assistant {
+            content: Some("hi".into()),
+            tool_calls: Vec::new(),
+        });
+        run
     }
 
     #[test]
-    fn a_body_without_a_version_is_version_1() {
-        let run = run();
+    fn the_current_format_names_its_version_first_and_keeps_the_transcript_apart() {
+        let mut run = talking();
+        let body = encode(&mut run).unwrap();
+        assert!(body.starts_with(r#"{"format_version":3,"#), "{body}");
+        assert!(!body.contains("hello"), "no message in the body: {body}");
+        assert!(
+            body.ends_with(r#""messages":[],"transcript_len":2}"#),
+            "{body}"
+        );
+        assert_eq!(run.messages.len(), 2, "the messages are put back");
+        assert_eq!(version_of(&body).unwrap(), 3);
+        assert_eq!(stored_transcript_len(&body).unwrap(), 2);
+        assert_eq!(decode(&body, &entries(&run)).unwrap(), run);
+        // Entries beyond the body's length belong to a later version.
+        let mut longer = entries(&run);
+        longer.push(r#"{"role":"user","content":"later"}"#.into());
+        assert_eq!(decode(&body, &longer).unwrap(), run);
+        assert!(
+            decode_without_transcript(&body)
+                .unwrap()
+                .messages
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_shorter_transcript_is_a_torn_write() {
+        let mut run = talking();
+        let body = encode(&mut run).unwrap();
+        let err = decode(&body, &entries(&run)[..1]).unwrap_err();
+        assert!(matches!(
+            err,
+            FormatError::TornTranscript {
+                expected: 2,
+                found: 1
+            }
+        ));
+    }
+
+    #[test]
+    fn a_body_without_a_version_is_version_1_with_its_transcript_inline() {
+        let run = talking();
         let body = serde_json::to_string(&run).unwrap();
         assert_eq!(version_of(&body).unwrap(), 1);
-        assert_eq!(decode(&body).unwrap(), run);
+        assert_eq!(stored_transcript_len(&body).unwrap(), 0);
+        assert_eq!(decode(&body, &[]).unwrap(), run);
+        assert_eq!(decode_without_transcript(&body).unwrap(), run);
+    }
+
+    #[test]
+    fn version_2_holds_its_transcript_inline() {
+        let run = talking();
+        let v1 = serde_json::to_string(&run).unwrap();
+        let body = v1.replacen('{', r#"{"format_version":2,"#, 1);
+        assert_eq!(version_of(&body).unwrap(), 2);
+        assert_eq!(stored_transcript_len(&body).unwrap(), 0);
+        assert_eq!(decode(&body, &[]).unwrap(), run);
     }
 
     #[test]
     fn a_future_version_is_refused_naming_both_versions() {
-        let body =
-            encode(&run())
-                .unwrap()
-                .replacen(r#""format_version":2"#, r#""format_version":3"#, 1);
-        let err = decode(&body).unwrap_err();
-        assert!(matches!(err, FormatError::UnsupportedVersion { found: 3 }));
+        let body = encode(&mut run()).unwrap().replacen(
+            r#""format_version":3"#,
+            r#""format_version":4"#,
+            1,
+        );
+        let err = decode(&body, &[]).unwrap_err();
+        assert!(matches!(err, FormatError::UnsupportedVersion { found: 4 }));
         let message = err.to_string();
-        assert!(message.contains("version 3"), "{message}");
-        assert!(message.contains("1 to 2"), "{message}");
+        assert!(message.contains("version 4"), "{message}");
+        assert!(message.contains("1 to 3"), "{message}");
+        assert!(decode_without_transcript(&body).is_err());
     }
 
     #[test]
     fn a_malformed_body_is_an_error_not_a_default() {
-        assert!(matches!(decode("{"), Err(FormatError::Malformed(_))));
+        assert!(matches!(decode("{", &[]), Err(FormatError::Malformed(_))));
         assert!(matches!(
-            decode(r#"{"format_version":"two"}"#),
+            decode(r#"{"format_version":"two"}"#, &[]),
             Err(FormatError::Malformed(_))
         ));
     }

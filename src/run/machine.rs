@@ -15,7 +15,9 @@
 //! ends `failed` (`budget_exceeded`) with that reply's answer as its `output`; with the
 //! deadline passed or the reserve spent, `failed` (`budget_exceeded`) at once. "advance batch" = if any call awaits an operator → wait for
 //! the calls still in flight, then `waiting_approval`; else dispatch `ready` calls
-//! (`ExecuteTool`) → `running/executing_tools`; else wait for in-flight calls; else (all done)
+//! (`ExecuteTool`) → `running/executing_tools`; else wait for in-flight calls
+//! (`executing_tools`, `reconciling`, then `awaiting_tool` while only calls accepted by their
+//! tool wait for a result); else (all done)
 //! append the tool messages, run no-progress detection (continue, nudge, force final, or
 //! `failed`/`no_progress`) and take the next turn.
 //!
@@ -49,6 +51,11 @@
 //! | running/awaiting_model | ModelRetrying (the gateway retries the request) | same | — | model_retrying |
 //! | running/executing_tools | RetryDue | advance batch | ExecuteTool… | tool_retry |
 //! | running/reconciling | StatusChecked | advance batch | … | call_reconciled |
+//! | running/executing_tools | ToolAccepted (call dispatched) | advance batch, the call `awaiting_result` (status URL, deadline = now + `timeout_ms`); nothing else in flight → running/awaiting_tool | PollTool, … | tool_call_accepted |
+//! | running, waiting_approval | ToolPolled (call awaiting its result) | advance batch, the polled result judged ("judge the result") | … | tool_call_finished (`via: poll`) |
+//! | running, waiting_approval | CallbackResult (call dispatched or awaiting its result) | advance batch, the tool's result judged (first result wins) | … | tool_call_finished (`via: callback`) |
+//! | running, waiting_approval | CallDeadline (call awaiting its result) | advance batch, a `timeout` error judged | … | tool_call_finished (`via: deadline`) |
+//! | * | CallbackResult for a call that already has its result (`apply_control`) | same, the control consumed | — | late_result_ignored |
 //! | running/verifying | VerificationDone: ok | succeeded | Finish | run_succeeded |
 //! | running/verifying | VerificationDone: rejected | next turn, or failed (`verification_failed`) | CallModel | verification_rejected |
 //! | waiting_approval | Approve | advance batch (a held call runs again) | ExecuteTool… | call_approved |
@@ -56,7 +63,7 @@
 //! | waiting_approval | Fail (operator decision `fail`) | failed (`tool_failing`, `permission_denied`, `outcome_unknown` or `approval_denied`, by why the call waited) | AbortInFlight, Finish | run_failed |
 //! | waiting_approval | ApprovalExpired (call still awaiting) | advance batch, the call approved or rejected by its tool's `on_approval_timeout` | ExecuteTool… | approval_expired |
 //! | waiting_input | Input | next turn | CallModel | input_received |
-//! | running, waiting_* | Resume | re-issue in-flight work by tool policy | CallModel / ExecuteTool / CheckStatus / Verify | run_resumed |
+//! | running, waiting_* | Resume | re-issue in-flight work by tool policy; accepted calls are polled again, never resent | CallModel / ExecuteTool / CheckStatus / PollTool / Verify | run_resumed |
 //! | * | Cancel | cancelled | AbortInFlight, Finish | run_cancelled |
 //! | * | a control that does not fit (`apply_control`) | same, the control consumed | — | control_refused |
 //! | * | Abort | failed (given code) | AbortInFlight, Finish | run_failed |
@@ -90,8 +97,8 @@ use super::decision::{Decision, decide};
 use super::guard::{Guard, OnPermissionDenied};
 use super::progress::{CallOutcome, ProgressPolicy, Verdict};
 use super::state::{
-    CallStatus, ControlRefusal, HoldReason, MAX_CONTROL_REFUSALS, PendingCall, Phase, RunError,
-    RunState, Status,
+    CallStatus, CallTask, ControlRefusal, HoldReason, MAX_CONTROL_REFUSALS, PendingCall, Phase,
+    RunError, RunState, Status,
 };
 use crate::idempotency::{call_fingerprint, idempotency_key};
 use crate::ids::CallId;
@@ -190,6 +197,33 @@ pub enum RunEvent {
         code: String,
         message: String,
     },
+    /// The tool accepted the dispatched call `call_id` to finish it later (`202 Accepted`):
+    /// poll `status_url` (if any) until `timeout_ms` from now, the call's own deadline.
+    ToolAccepted {
+        epoch: u64,
+        call_id: CallId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        status_url: Option<String>,
+        timeout_ms: u64,
+    },
+    /// A poll of the accepted call `call_id` got its final answer (`200` with the result, or a
+    /// `4xx` failure). "Still running" and transient failures never reach the machine.
+    ToolPolled {
+        epoch: u64,
+        call_id: CallId,
+        result: ToolResult,
+    },
+    /// The tool completed `call_id` through the callback route (a control from the inbox;
+    /// the API checked the call's token before storing it).
+    CallbackResult {
+        call_id: CallId,
+        result: ToolResult,
+    },
+    /// The deadline of the accepted call `call_id` passed without a result.
+    CallDeadline {
+        epoch: u64,
+        call_id: CallId,
+    },
 }
 
 impl RunEvent {
@@ -213,6 +247,10 @@ impl RunEvent {
             RunEvent::DeadlineReached => "deadline_reached",
             RunEvent::ApprovalExpired { .. } => "approval_expired",
             RunEvent::Abort { .. } => "abort",
+            RunEvent::ToolAccepted { .. } => "tool_accepted",
+            RunEvent::ToolPolled { .. } => "tool_polled",
+            RunEvent::CallbackResult { .. } => "callback_result",
+            RunEvent::CallDeadline { .. } => "call_deadline",
         }
     }
 
@@ -230,6 +268,9 @@ impl RunEvent {
                 | RunEvent::VerificationDone { .. }
                 | RunEvent::DeadlineReached
                 | RunEvent::ApprovalExpired { .. }
+                | RunEvent::ToolAccepted { .. }
+                | RunEvent::ToolPolled { .. }
+                | RunEvent::CallDeadline { .. }
         )
     }
 }
@@ -257,6 +298,7 @@ impl From<Control> for RunEvent {
                 by,
             },
             Control::Input { text } => RunEvent::Input { text },
+            Control::CallResult { call_id, result } => RunEvent::CallbackResult { call_id, result },
             Control::Fail {
                 call_id,
                 reason,
@@ -303,6 +345,12 @@ pub enum Effect {
     },
     /// Ask the compensating tool whether the compensating call `call_id` already ran.
     CheckCompensation {
+        epoch: u64,
+        call_id: CallId,
+    },
+    /// Poll the accepted call `call_id` (its `task` is in the committed state) with backoff
+    /// until it has a result, and deliver `CallDeadline` at its deadline.
+    PollTool {
         epoch: u64,
         call_id: CallId,
     },
@@ -573,8 +621,14 @@ pub fn apply_control(
             state.control_refusals.drain(..excess);
             state.version += 1;
             state.updated_at_ms = cx.now_ms;
+            // A tool's result for a call that already has one (or no longer waits) is late.
+            let kind = if name == "callback_result" {
+                "late_result_ignored"
+            } else {
+                "control_refused"
+            };
             let t = out(
-                "control_refused",
+                kind,
                 json!({
                     "control": name, "control_seq": seq, "code": e.code, "message": e.message,
                     "status": state.status.as_str(), "phase": state.phase.map(Phase::as_str),
@@ -599,7 +653,7 @@ fn is_repeat(state: &RunState, control: &Control) -> bool {
         Control::Approve { call_id, .. } => state.decided.contains(&(call_id.clone(), true)),
         Control::Reject { call_id, .. } => state.decided.contains(&(call_id.clone(), false)),
         Control::Fail { call_id, .. } => state.failed_call.as_ref() == Some(call_id),
-        Control::Input { .. } => false,
+        Control::Input { .. } | Control::CallResult { .. } => false,
     }
 }
 
@@ -624,6 +678,20 @@ fn ignored(event: &RunEvent, reason: &str) -> Transition {
         }
         RunEvent::ApprovalExpired { call_id } => {
             data.insert("call_id".into(), json!(call_id));
+        }
+        RunEvent::ToolAccepted { epoch, call_id, .. }
+        | RunEvent::CallDeadline { epoch, call_id } => {
+            data.insert("call_id".into(), json!(call_id));
+            data.insert("epoch".into(), json!(epoch));
+        }
+        RunEvent::ToolPolled {
+            epoch,
+            call_id,
+            result,
+        } => {
+            data.insert("call_id".into(), json!(call_id));
+            data.insert("epoch".into(), json!(epoch));
+            data.insert("ok".into(), json!(result.ok));
         }
         RunEvent::ToolRetrying { epoch, call_id, .. } => {
             data.insert("call_id".into(), json!(call_id));
@@ -724,7 +792,9 @@ fn dispatch(
         }
         (Status::WaitingApproval | Status::WaitingInput, E::Resume) => {
             s.restarts += 1;
-            Ok(out("run_resumed", json!({}), vec![]))
+            // Calls accepted by their tool go on being polled while an operator decides.
+            let effects = poll_awaiting(s);
+            Ok(out("run_resumed", json!({}), effects))
         }
         (Status::Running, E::ModelReplied { epoch, reply })
             if phase == Some(Phase::AwaitingModel) && epoch == s.epoch =>
@@ -883,6 +953,63 @@ fn dispatch(
             if s.call(&call_id).map(|c| c.status) == Some(CallStatus::AwaitingApproval) =>
         {
             Ok(expire_approval(s, call_id, cx))
+        }
+        (
+            Status::Running,
+            E::ToolAccepted {
+                epoch,
+                call_id,
+                status_url,
+                timeout_ms,
+            },
+        ) if phase == Some(Phase::ExecutingTools)
+            && epoch == s.epoch
+            && s.call(&call_id).map(|c| c.status) == Some(CallStatus::Dispatched) =>
+        {
+            Ok(on_tool_accepted(s, call_id, status_url, timeout_ms, cx))
+        }
+        (
+            Status::Running | Status::WaitingApproval,
+            E::ToolPolled {
+                epoch,
+                call_id,
+                result,
+            },
+        ) if epoch == s.epoch
+            && s.call(&call_id).map(|c| c.status) == Some(CallStatus::AwaitingResult) =>
+        {
+            Ok(complete_task(s, call_id, result, "poll", cx))
+        }
+        (Status::Running | Status::WaitingApproval, E::CallDeadline { epoch, call_id })
+            if epoch == s.epoch
+                && s.call(&call_id).map(|c| c.status) == Some(CallStatus::AwaitingResult) =>
+        {
+            let timeout_ms = s
+                .call(&call_id)
+                .and_then(|c| c.task.as_ref())
+                .map_or(0, |t| t.deadline_ms.saturating_sub(t.accepted_at_ms));
+            let result = ToolResult::failure(ToolError::new(
+                ToolErrorCode::Timeout,
+                format!(
+                    "the tool accepted the call but gave no result within its deadline ({} s)",
+                    timeout_ms.div_ceil(1000)
+                ),
+            ));
+            Ok(complete_task(s, call_id, result, "deadline", cx))
+        }
+        (Status::Running | Status::WaitingApproval, E::CallbackResult { call_id, result }) => {
+            let waiting = matches!(
+                s.call(&call_id).map(|c| c.status),
+                Some(CallStatus::Dispatched | CallStatus::AwaitingResult)
+            );
+            if !waiting {
+                return Err(invalid(
+                    s,
+                    "invalid_state",
+                    format!("call {call_id} already has its result"),
+                ));
+            }
+            Ok(complete_task(s, call_id, result, "callback", cx))
         }
         (_, ev) if ev.is_reply() => Ok(ignored(&ev, "stale")),
         (status, ev) => Err(invalid(
@@ -1325,6 +1452,7 @@ fn validate_call(
         status,
         attempts: 0,
         result,
+        task: None,
         hold: None,
     }
 }
@@ -1379,6 +1507,13 @@ fn advance_batch(s: &mut RunState, cx: &StepContext<'_>) -> Vec<Effect> {
     }
     if s.calls.iter().any(|c| c.status == CallStatus::Reconciling) {
         s.phase = Some(Phase::Reconciling);
+        return vec![];
+    }
+    if s.calls
+        .iter()
+        .any(|c| c.status == CallStatus::AwaitingResult)
+    {
+        s.phase = Some(Phase::AwaitingTool);
         return vec![];
     }
     finish_batch(s, cx)
@@ -2054,8 +2189,9 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
                 }],
             )
         }
-        Some(Phase::ExecutingTools | Phase::Reconciling) => {
-            let mut effects = Vec::new();
+        Some(Phase::ExecutingTools | Phase::Reconciling | Phase::AwaitingTool) => {
+            // Accepted calls are not resent: their polling resumes from the checkpoint.
+            let mut effects = poll_awaiting(s);
             let mut unknown = Vec::new();
             for c in s.calls.iter_mut() {
                 // A call in flight when the previous incarnation died: never blindly resent.
@@ -2103,6 +2239,105 @@ fn resume_running(s: &mut RunState, cx: &StepContext<'_>) -> Transition {
             )
         }
     }
+}
+
+/// `PollTool` for every call of the batch its tool accepted to finish later.
+fn poll_awaiting(s: &RunState) -> Vec<Effect> {
+    s.calls
+        .iter()
+        .filter(|c| c.status == CallStatus::AwaitingResult)
+        .map(|c| Effect::PollTool {
+            epoch: s.epoch,
+            call_id: c.call_id.clone(),
+        })
+        .collect()
+}
+
+/// The tool answered `202 Accepted` for a dispatched call: it waits for its result (polled,
+/// or by callback) until its own deadline.
+fn on_tool_accepted(
+    s: &mut RunState,
+    call_id: CallId,
+    status_url: Option<String>,
+    timeout_ms: u64,
+    cx: &StepContext<'_>,
+) -> Transition {
+    let deadline_ms = cx.now_ms.saturating_add(timeout_ms);
+    let mut data =
+        json!({ "call_id": call_id, "polling": status_url.is_some(), "deadline_ms": deadline_ms });
+    if let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) {
+        c.status = CallStatus::AwaitingResult;
+        c.task = Some(CallTask {
+            status_url,
+            accepted_at_ms: cx.now_ms,
+            deadline_ms,
+        });
+        if let Value::Object(m) = &mut data {
+            m.insert("tool".into(), json!(c.tool));
+        }
+    }
+    let mut effects = vec![Effect::PollTool {
+        epoch: s.epoch,
+        call_id,
+    }];
+    effects.extend(advance_batch(s, cx));
+    let mut t = out("tool_call_accepted", data, effects);
+    add_dispatched(s, &mut t);
+    t
+}
+
+/// An accepted (or, by callback, a dispatched) call got its result: by a poll, the callback
+/// route, or its deadline (`via`). The first result wins; the caller checked the call waits.
+/// The result is judged like any final result of a call that ran ("judge the result").
+fn complete_task(
+    s: &mut RunState,
+    call_id: CallId,
+    result: ToolResult,
+    via: &str,
+    cx: &StepContext<'_>,
+) -> Transition {
+    let mut data =
+        json!({ "call_id": call_id, "ok": result.ok, "truncated": result.truncated, "via": via });
+    let Some(c) = s.calls.iter_mut().find(|c| c.call_id == call_id) else {
+        return ignored(&RunEvent::Start, "unknown_call");
+    };
+    if let Value::Object(m) = &mut data {
+        m.insert("tool".into(), json!(c.tool));
+        if let Some(e) = &result.error {
+            m.insert("error".into(), json!(e));
+        }
+        if let (Some(d), Some(g)) = (&result.data, cx.tools.guard(&c.tool))
+            && g.projects()
+        {
+            m.insert("result".into(), d.clone());
+        }
+    }
+    c.task = None;
+    let tool = c.tool.clone();
+    match judge_result(s, &tool, &result, cx) {
+        Judged::Answer => {
+            settle(s, &call_id, result, None, cx.now_ms);
+            compensate::record(s, &call_id, cx);
+        }
+        Judged::Hold(reason, failures) => {
+            if let Value::Object(m) = &mut data {
+                m.insert("held".into(), json!(reason.as_str()));
+                if let Some(n) = failures {
+                    m.insert("failures".into(), json!(n));
+                }
+            }
+            settle(s, &call_id, result, Some(reason), cx.now_ms);
+        }
+        Judged::Stop(error) => {
+            settle(s, &call_id, result, None, cx.now_ms);
+            let effects = fail(s, error);
+            return out("tool_call_finished", data, effects);
+        }
+    }
+    let effects = advance_batch(s, cx);
+    let mut t = out("tool_call_finished", data, effects);
+    add_dispatched(s, &mut t);
+    t
 }
 
 mod compensate;

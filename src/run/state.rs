@@ -83,6 +83,10 @@ pub enum Phase {
     /// The run is ending (`cancelled` or `failed`, recorded in `RunState::ending`) and undoes
     /// its successful calls first, one compensating call at a time, newest first.
     Compensating,
+    /// Every call of the batch that is not done was accepted by its tool (`202`) and is being
+    /// finished in the background: polled at its status URL, or completed through the
+    /// callback route, until its own deadline.
+    AwaitingTool,
 }
 
 impl Phase {
@@ -95,6 +99,7 @@ impl Phase {
             Phase::Reconciling => "reconciling",
             Phase::Verifying => "verifying",
             Phase::Compensating => "compensating",
+            Phase::AwaitingTool => "awaiting_tool",
         }
     }
 }
@@ -113,8 +118,25 @@ pub enum CallStatus {
     Reconciling,
     /// A crash left its outcome unknown and the tool cannot be asked: an operator decides.
     OutcomeUnknown,
+    /// The tool accepted the call (`202`) and finishes it later: polled at its status URL or
+    /// completed through the callback route (`PendingCall::task`).
+    AwaitingResult,
     /// Has its result.
     Done,
+}
+
+/// A call its tool accepted to finish later (`202 Accepted`): what polling needs after a
+/// restart. The callback token is not here: it is derived from the run and call ids with the
+/// daemon's callback key whenever it is needed (`tool::callback`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallTask {
+    /// Where the call's status is polled (`None`: the tool only calls back).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_url: Option<String>,
+    /// When the tool accepted the call.
+    pub accepted_at_ms: u64,
+    /// When the call fails with `timeout` if no result came.
+    pub deadline_ms: u64,
 }
 
 /// One tool call of the current batch: its intent and, once known, its result.
@@ -139,6 +161,9 @@ pub struct PendingCall {
     /// When the call began waiting for an operator (the approval expiry counts from here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub awaiting_since_ms: Option<u64>,
+    /// Set while the call is `awaiting_result`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<CallTask>,
     /// Why a call that ran waits for an operator (`AwaitingApproval`) instead of being answered:
     /// its tool keeps failing, or refused it for lack of permission. `None`: an approval the
     /// tool's policy asks for (or no wait at all). Its last result stays in `result`.

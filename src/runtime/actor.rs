@@ -9,7 +9,8 @@
 //! Secrets: every event's data passes the runtime's redactor before it is committed, and so
 //! does every tool result before it enters the run (so configured secrets never reach the
 //! checkpoint, the model or the event log). A call waiting for approval whose tool has an
-//! `approval_timeout` gets a timer that delivers `RunEvent::ApprovalExpired`.
+//! `approval_timeout` gets a timer that delivers `RunEvent::ApprovalExpired`. Calls a tool
+//! accepted to finish later are polled by timers and short pool jobs (`long_running`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -18,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio_util::sync::CancellationToken;
+
+mod long_running;
 
 use super::ownership::LeaseBook;
 use crate::agent::Agent;
@@ -66,6 +69,14 @@ pub enum RunMsg {
     /// The run has been waiting (approval or input) since `version`: if nothing changed, stop
     /// the actor; the run stays in the store and is rehydrated by its next message.
     Passivate { version: u64 },
+    /// A long-running call's poll timer fired (`long_running`).
+    PollDue { epoch: u64, call_id: CallId },
+    /// A poll of a long-running call answered.
+    Polled {
+        epoch: u64,
+        call_id: CallId,
+        outcome: Result<Option<ToolResult>, ToolError>,
+    },
 }
 
 /// The answer to a control: the state after it was consumed, or why it did not apply.
@@ -175,6 +186,8 @@ pub struct RunDeps {
     pub leases: LeaseBook,
     /// Runs this node left alone because its definition of their agent differs.
     pub mismatched: dashmap::DashMap<RunId, ()>,
+    /// The callback route long-running tools complete calls through (`None`: not offered).
+    pub callbacks: Option<Arc<crate::tool::callback::Callbacks>>,
 }
 
 /// Start arguments.
@@ -225,6 +238,8 @@ struct Live {
     refused_here: HashMap<u64, InvalidTransition>,
     /// Tool effects held back because the lease was not confirmed recently enough.
     deferred: Vec<Effect>,
+    /// Long-running calls being polled in this incarnation.
+    polls: long_running::Polls,
 }
 
 /// How long a finished run waits for tool results still in flight.
@@ -243,9 +258,17 @@ pub enum Error {
     Bug(String),
 }
 
-/// Serializes the run into its stored form, in the current format (`run::format`).
-pub fn checkpoint_of(run: &RunState) -> Result<Checkpoint, serde_json::Error> {
-    Ok(checkpoint_with_body(run, format::encode(run)?))
+/// Serializes the run into its stored form, in the current format (`run::format`), with its
+/// whole transcript to store from entry 0 (a run being created).
+pub fn checkpoint_of(run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
+    let body = format::encode(run)?;
+    let mut c = checkpoint_with_body(run, body);
+    c.transcript = run
+        .messages
+        .iter()
+        .map(serde_json::to_string)
+        .collect::<Result<_, _>>()?;
+    Ok(c)
 }
 
 fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
@@ -259,78 +282,54 @@ fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
         created_at_ms: run.created_at_ms,
         updated_at_ms: run.updated_at_ms,
         body,
+        transcript: Vec::new(),
+        transcript_from: 0,
     }
 }
 
-/// Writes checkpoints of one run, serializing each message once: the transcript only grows,
-/// so the JSON of messages already written is kept and spliced in. Without this, every step
-/// would re-serialize the whole conversation.
+/// Writes checkpoints of one run. The transcript only grows, and the store keeps it apart,
+/// append-only: each commit sends the small body and only the messages the store does not
+/// hold yet, each serialized once. So the bytes of a commit do not grow with the run.
 #[derive(Debug, Default)]
 pub struct CheckpointWriter {
-    /// JSON of `messages[..n]`, comma-separated.
-    messages_json: String,
-    n: usize,
+    /// JSON of each message serialized so far.
+    messages_json: Vec<String>,
+    /// How many transcript entries the store holds, as of the last commit or load.
+    stored: usize,
 }
 
 impl CheckpointWriter {
-    /// Forgets the cache (after the state was replaced by one read back from the store).
-    pub fn reset(&mut self) {
+    /// Starts over from a checkpoint read back from the store.
+    pub fn loaded(&mut self, cp: &Checkpoint) {
         self.messages_json.clear();
-        self.n = 0;
+        self.stored = format::stored_transcript_len(&cp.body).unwrap_or(0);
+    }
+
+    /// The last checkpoint handed out was committed: the store holds its transcript.
+    pub fn committed(&mut self) {
+        self.stored = self.messages_json.len();
     }
 
     pub fn checkpoint(&mut self, run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
-        if self.n > run.messages.len() {
-            self.reset();
+        if self.messages_json.len() > run.messages.len() {
+            self.messages_json.clear();
         }
-        for m in &run.messages[self.n..] {
-            if self.n > 0 {
-                self.messages_json.push(',');
-            }
-            serde_json::to_writer(string_writer(&mut self.messages_json), m)?;
-            self.n += 1;
+        for m in &run.messages[self.messages_json.len()..] {
+            self.messages_json.push(serde_json::to_string(m)?);
         }
-        // `messages` is the last field: serialize the rest with it empty, then splice.
-        let messages = std::mem::take(&mut run.messages);
-        let head = format::encode(run);
-        run.messages = messages;
-        let head = head?;
-        let Some(prefix) = head.strip_suffix("[]}") else {
-            return checkpoint_of(run);
-        };
-        let mut body = String::with_capacity(prefix.len() + self.messages_json.len() + 2);
-        body.push_str(prefix);
-        body.push('[');
-        body.push_str(&self.messages_json);
-        body.push_str("]}");
-        Ok(checkpoint_with_body(run, body))
-    }
-}
-
-/// Adapts a `String` as an `io::Write` sink for serde_json (which only writes valid UTF-8).
-fn string_writer(s: &mut String) -> StringWriter<'_> {
-    StringWriter(s)
-}
-
-struct StringWriter<'a>(&'a mut String);
-
-impl std::io::Write for StringWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let text = std::str::from_utf8(buf)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        self.0.push_str(text);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+        let body = format::encode(run)?;
+        let mut c = checkpoint_with_body(run, body);
+        let from = self.stored.min(self.messages_json.len());
+        c.transcript_from = from as u64;
+        c.transcript = self.messages_json[from..].to_vec();
+        Ok(c)
     }
 }
 
 /// Reads the run back from its stored form, of any supported format version; a newer one is
 /// refused (the caller treats it as corrupt: the run is quarantined, not misread).
 pub fn state_of(cp: &Checkpoint) -> Result<RunState, format::FormatError> {
-    format::decode(&cp.body)
+    format::decode(&cp.body, &cp.transcript)
 }
 
 enum Applied {
@@ -388,7 +387,11 @@ impl Actor for RunActor {
             }
             return Ok(());
         };
-        if let RunMsg::Event(RunEvent::ToolFinished { .. } | RunEvent::StatusChecked { .. }) = &msg
+        if let RunMsg::Event(
+            RunEvent::ToolFinished { .. }
+            | RunEvent::StatusChecked { .. }
+            | RunEvent::ToolAccepted { .. },
+        ) = &msg
         {
             live.tools_in_flight = live.tools_in_flight.saturating_sub(1);
         }
@@ -552,6 +555,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
         tracing::info!(run = %id, node = %deps.node_id, "took the run over");
     }
     let mut live = Live::new(run, lease, agent);
+    live.writer.loaded(&cp);
     if let Some(deadline) = live.run.budget.deadline_ms {
         let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
         live.deadline_timer = Some(
@@ -563,7 +567,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
     let waiting = matches!(
         live.run.status,
         crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
-    );
+    ) || long_running::is_awaiting_tool(&live);
     let boot = match std::mem::replace(&mut st.boot, Boot::Recover) {
         Boot::Start => Some(RunEvent::Start),
         Boot::Recover => Some(RunEvent::Resume),
@@ -579,6 +583,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
         None => {
             // Rehydrated while waiting: re-arm its timers and let it passivate again.
             arm_approval_timers(myself, &mut live, now_ms());
+            long_running::resume_all(myself, &mut live);
             schedule_passivation(myself, &deps, &live);
         }
     }
@@ -623,6 +628,7 @@ impl Live {
             waiters: Vec::new(),
             refused_here: HashMap::new(),
             deferred: Vec::new(),
+            polls: long_running::Polls::default(),
         }
     }
 }
@@ -645,6 +651,14 @@ async fn deliver(
         }
         RunMsg::Passivate { version } => passivate(myself, deps, live, version),
         RunMsg::RetryDeferred => run_deferred(myself, deps, live),
+        RunMsg::PollDue { epoch, call_id } => {
+            long_running::on_due(myself, deps, live, epoch, call_id);
+        }
+        RunMsg::Polled {
+            epoch,
+            call_id,
+            outcome,
+        } => long_running::on_polled(myself, live, epoch, call_id, outcome),
         RunMsg::Reload => reload(myself, deps, live).await?,
         RunMsg::Event(event) => {
             let copy = event.clone();
@@ -804,10 +818,11 @@ fn schedule_passivation(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &Live) 
 }
 
 fn is_idle_waiting(live: &Live) -> bool {
-    matches!(
+    (matches!(
         live.run.status,
         crate::run::state::Status::WaitingApproval | crate::run::state::Status::WaitingInput
-    ) && live.tools_in_flight == 0
+    ) || long_running::is_awaiting_tool(live))
+        && live.tools_in_flight == 0
         && !live.reloading
         && !live.finishing
 }
@@ -817,6 +832,13 @@ fn is_idle_waiting(live: &Live) -> bool {
 /// deadline or an approval expiry falls due.
 fn passivate(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &Live, version: u64) {
     if live.run.version != version || !is_idle_waiting(live) {
+        return;
+    }
+    if long_running::polling_now(live) {
+        // Not while a poll is out: try again once it has answered.
+        myself.send_after(Duration::from_secs(1), move || RunMsg::Passivate {
+            version,
+        });
         return;
     }
     let approval_due = live
@@ -832,10 +854,14 @@ fn passivate(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &Live, versio
             )
         })
         .min();
-    let wake_at = match (live.run.budget.deadline_ms, approval_due) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
+    let wake_at = [
+        live.run.budget.deadline_ms,
+        approval_due,
+        long_running::wake_at_ms(live),
+    ]
+    .into_iter()
+    .flatten()
+    .min();
     tracing::debug!(run = %live.run.id, ?wake_at, "passivating a waiting run");
     // Give the lease up, due when a timer needs the run: whichever node has room then (this
     // one, or another if this one is gone) brings it back; a control brings it back sooner.
@@ -880,11 +906,14 @@ async fn reload(
     if !live.reloading {
         return Ok(());
     }
-    let loaded = match deps.store.load(&live.run.id).await {
-        Ok(Some(cp)) => state_of(&cp).map_err(|e| Error::Corrupt {
-            run: live.run.id.clone(),
-            message: e.to_string(),
-        })?,
+    let (loaded, cp) = match deps.store.load(&live.run.id).await {
+        Ok(Some(cp)) => (
+            state_of(&cp).map_err(|e| Error::Corrupt {
+                run: live.run.id.clone(),
+                message: e.to_string(),
+            })?,
+            cp,
+        ),
         Ok(None) => return Err(Error::Missing(live.run.id.clone()).into()),
         Err(e) => {
             tracing::warn!(run = %live.run.id, error = %e, "store still unavailable; the run stays paused");
@@ -895,7 +924,7 @@ async fn reload(
     };
     tracing::info!(run = %live.run.id, version = loaded.version, "store is back; resuming the run");
     live.run = loaded;
-    live.writer.reset();
+    live.writer.loaded(&cp);
     live.reloading = false;
     deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
     live.store_failures = 0;
@@ -990,7 +1019,10 @@ async fn commit_transition(
         )
         .await;
     match committed {
-        Ok(()) => live.store_failures = 0,
+        Ok(()) => {
+            live.store_failures = 0;
+            live.writer.committed();
+        }
         Err(e) if e.is_retryable() || matches!(e, store::Error::VersionConflict { .. }) => {
             // `live.run` now holds a state that may or may not be stored (a conflict: the
             // store holds a newer one): it is replaced by the checkpoint read back on reload.
@@ -1159,7 +1191,14 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 call_id: call_id.clone(),
                 idempotency_key: call.key.clone(),
                 cancel: live.cancel.child_token(),
+                long_running: crate::tool::LongRunning::new(
+                    deps.callbacks
+                        .as_ref()
+                        .filter(|_| !status_check)
+                        .map(|c| c.for_call(&run.id, &call_id)),
+                ),
             };
+            let task_timeout_ms = tool.spec().task_deadline().as_millis() as u64;
             let work = if status_check {
                 ToolWork::Status
             } else {
@@ -1210,6 +1249,14 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                                 outcome,
                             }
                         }
+                        ToolOutcome::Accepted { status_url } => RunEvent::ToolAccepted {
+                            epoch,
+                            call_id,
+                            status_url,
+                            timeout_ms: task_timeout_ms,
+                        },
+                        // Only poll jobs answer this (`long_running`).
+                        ToolOutcome::Polled(_) => return,
                     };
                     let _ = me.cast(RunMsg::Event(event));
                 });
@@ -1228,6 +1275,9 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             myself.send_after(Duration::from_millis(after_ms), move || {
                 RunMsg::Event(RunEvent::RetryDue { epoch })
             });
+        }
+        Effect::PollTool { epoch, call_id } => {
+            long_running::start(myself, live, epoch, call_id, None);
         }
         Effect::AbortInFlight => {
             live.deferred.clear();
@@ -1269,7 +1319,7 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn the_checkpoint_writer_matches_plain_serialization() {
+    fn the_checkpoint_writer_sends_only_what_the_store_lacks() {
         let mut run = RunState::new(
             RunId::generate(),
             "t".into(),
@@ -1279,10 +1329,11 @@ mod tests {
             1,
         );
         let mut w = CheckpointWriter::default();
-        assert_eq!(
-            w.checkpoint(&mut run).unwrap().body,
-            checkpoint_of(&run).unwrap().body
-        );
+        let first = w.checkpoint(&mut run).unwrap();
+        assert_eq!(first.body, checkpoint_of(&mut run).unwrap().body);
+        w.committed();
+        // What the store holds, entry by entry, as the commits append it.
+        let mut stored: Vec<String> = first.transcript.clone();
         for i in 0..3 {
             run.messages.push(Message::User {
                 content: format!("say \"{i}\" \\ é"),
@@ -1292,14 +1343,29 @@ mod tests {
                 content: r#"{"ok":true}"#.into(),
             });
             run.version += 1;
-            let body = w.checkpoint(&mut run).unwrap().body;
-            assert_eq!(body, checkpoint_of(&run).unwrap().body);
-            assert_eq!(state_of(&checkpoint_of(&run).unwrap()).unwrap(), run);
+            let c = w.checkpoint(&mut run).unwrap();
+            assert_eq!(c.body, checkpoint_of(&mut run).unwrap().body);
+            assert_eq!(c.transcript_from as usize, stored.len());
+            assert_eq!(c.transcript.len(), 2, "only the new messages");
+            // A failed commit is retried with the same entries.
+            let again = w.checkpoint(&mut run).unwrap();
+            assert_eq!(again.transcript_from, c.transcript_from);
+            assert_eq!(again.transcript, c.transcript);
+            stored.extend(c.transcript.clone());
+            w.committed();
+            let mut back = c.clone();
+            back.transcript = stored.clone();
+            assert_eq!(state_of(&back).unwrap(), run);
         }
-        w.reset();
-        assert_eq!(
-            w.checkpoint(&mut run).unwrap().body,
-            checkpoint_of(&run).unwrap().body
-        );
+        // After a load, it continues from what the store holds.
+        let mut loaded = checkpoint_of(&mut run).unwrap();
+        loaded.transcript = stored.clone();
+        w.loaded(&loaded);
+        run.messages.push(Message::User {
+            content: "more".into(),
+        });
+        let c = w.checkpoint(&mut run).unwrap();
+        assert_eq!(c.transcript_from as usize, stored.len());
+        assert_eq!(c.transcript.len(), 1);
     }
 }

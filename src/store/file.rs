@@ -38,6 +38,7 @@ use super::local::{NodeRegistry, Wakeups};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
     EventRecord, Lease, Result, RunFilter, RunPage, check_seq, corrupt, due_in, encode_events,
+    torn_transcript,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -49,6 +50,8 @@ pub const FILE_NAME: &str = "agentd.redb";
 const RUNS: TableDefinition<&str, &str> = TableDefinition::new("runs");
 /// (run id, seq) → event JSON.
 const EVENTS: TableDefinition<(&str, u64), &str> = TableDefinition::new("events");
+/// (run id, index) → one transcript entry (a message's JSON), append-only.
+const TRANSCRIPT: TableDefinition<(&str, u64), &str> = TableDefinition::new("transcript");
 /// (run id, seq) → stored control JSON.
 const CONTROLS: TableDefinition<(&str, u64), &str> = TableDefinition::new("controls");
 /// run id → (current fence token or 0, last issued token).
@@ -241,6 +244,7 @@ fn build_list_indexes(txn: &WriteTransaction) -> Result<()> {
 
 struct CreateJob {
     run: RunId,
+    transcript: Vec<String>,
     tenant: String,
     agent: String,
     status: String,
@@ -252,6 +256,8 @@ struct CreateJob {
 
 struct CommitJob {
     run: RunId,
+    transcript_from: u64,
+    transcript: Vec<String>,
     status: String,
     token: u64,
     expected: u64,
@@ -398,6 +404,7 @@ impl Leases<'_> {
 struct Tables<'t> {
     runs: Table<'t, &'static str, &'static str>,
     events: Table<'t, (&'static str, u64), &'static str>,
+    transcript: Table<'t, (&'static str, u64), &'static str>,
     controls: Table<'t, (&'static str, u64), &'static str>,
     tokens: Table<'t, &'static str, (u64, u64)>,
     active: Table<'t, &'static str, ()>,
@@ -421,6 +428,7 @@ impl<'t> Tables<'t> {
         Ok(Tables {
             runs: txn.open_table(RUNS).map_err(o)?,
             events: txn.open_table(EVENTS).map_err(o)?,
+            transcript: txn.open_table(TRANSCRIPT).map_err(o)?,
             controls: txn.open_table(CONTROLS).map_err(o)?,
             tokens: txn.open_table(TOKENS).map_err(o)?,
             active: txn.open_table(ACTIVE).map_err(o)?,
@@ -445,6 +453,21 @@ impl<'t> Tables<'t> {
         for (seq, json) in events {
             self.events
                 .insert((run.as_str(), *seq), json.as_str())
+                .map_err(w)?;
+        }
+        Ok(())
+    }
+
+    /// Appends transcript entries at `from`, which must be where the run's transcript ends.
+    fn append_transcript(&mut self, run: &RunId, from: u64, entries: &[String]) -> Result<()> {
+        let stored = last_seq(&self.transcript, run)?;
+        // `last_seq` answers the last key (0 when empty); entries are keyed from 1.
+        if stored != from {
+            return Err(torn_transcript(run, from, stored));
+        }
+        for (i, json) in entries.iter().enumerate() {
+            self.transcript
+                .insert((run.as_str(), from + 1 + i as u64), json.as_str())
                 .map_err(w)?;
         }
         Ok(())
@@ -568,6 +591,7 @@ impl<'t> Tables<'t> {
                 .insert((j.tenant.as_str(), k.as_str()), run.as_str())
                 .map_err(w)?;
         }
+        self.append_transcript(run, 0, &j.transcript)?;
         self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
         self.tenant_runs
             .insert((j.tenant.as_str(), run.as_str()), ())
@@ -615,6 +639,7 @@ impl<'t> Tables<'t> {
             });
         }
         check_seq(run, last, j.events.iter().map(|(seq, _)| *seq))?;
+        self.append_transcript(run, j.transcript_from, &j.transcript)?;
         self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
         if before.status != j.status {
             let tenant = before.tenant.as_str();
@@ -802,6 +827,7 @@ impl FileStore {
             let init = |e: redb::TableError| db_err("initialising", e);
             txn.open_table(RUNS).map_err(init)?;
             txn.open_table(EVENTS).map_err(init)?;
+            txn.open_table(TRANSCRIPT).map_err(init)?;
             txn.open_table(CONTROLS).map_err(init)?;
             txn.open_table(TOKENS).map_err(init)?;
             txn.open_table(ACTIVE).map_err(init)?;
@@ -921,8 +947,12 @@ impl CheckpointStore for FileStore {
     ) -> Result<CreateOutcome> {
         let run = &checkpoint.run_id;
         check_seq(run, 0, events.iter().map(|e| e.seq))?;
+        if checkpoint.transcript_from != 0 {
+            return Err(torn_transcript(run, checkpoint.transcript_from, 0));
+        }
         let job = CreateJob {
             run: run.clone(),
+            transcript: checkpoint.transcript.clone(),
             tenant: checkpoint.tenant.clone(),
             agent: checkpoint.agent.clone(),
             status: checkpoint.status.clone(),
@@ -946,7 +976,19 @@ impl CheckpointStore for FileStore {
                 .get(run.as_str())
                 .map_err(|e| db_err(&what, e))?
                 .map(|v| v.value().to_owned());
-            json.map(|j| decode(&run, &j)).transpose()
+            let Some(mut c) = json.map(|j| decode(&run, &j)).transpose()? else {
+                return Ok(None);
+            };
+            // One read transaction: the record and its transcript agree.
+            let t = txn.open_table(TRANSCRIPT).map_err(|e| db_err(&what, e))?;
+            for entry in t
+                .range((run.as_str(), 1)..=(run.as_str(), u64::MAX))
+                .map_err(|e| db_err(&what, e))?
+            {
+                let (_, v) = entry.map_err(|e| db_err(&what, e))?;
+                c.transcript.push(v.value().to_owned());
+            }
+            Ok(Some(c))
         })
         .await
     }
@@ -961,6 +1003,8 @@ impl CheckpointStore for FileStore {
         let run = &checkpoint.run_id;
         let job = CommitJob {
             run: run.clone(),
+            transcript_from: checkpoint.transcript_from,
+            transcript: checkpoint.transcript.clone(),
             status: checkpoint.status.clone(),
             token: lease.token,
             expected: expected_version,
@@ -1363,6 +1407,8 @@ mod tests {
             created_at_ms: 1,
             updated_at_ms: 1,
             body: "{}".into(),
+            transcript: Vec::new(),
+            transcript_from: 0,
         }
     }
 

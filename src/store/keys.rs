@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | `<ns>:{run:<id>}:ckpt` | hash | `v` version, `doc` checkpoint JSON, `seq` last event seq, `status`, `terminal`, `fence` current lease token, `tokens` last issued token |
 //! | `<ns>:{run:<id>}:events` | stream | one entry per event, id `<seq>-0`, field `e` = event JSON |
+//! | `<ns>:{run:<id>}:transcript` | list | the run's transcript, one message JSON per entry, append-only; the checkpoint body records its length |
 //! | `<ns>:{run:<id>}:controls` | list | control inbox; position + 1 is the seq |
 //! | `<ns>:{run:<id>}:lease` | hash (PX ttl) | `owner`, `token` of the live lease |
 //! | `<ns>:active` | set | run ids not yet terminal (a superset: readers check the checkpoint) |
@@ -82,6 +83,11 @@ impl Keys {
     /// The run's event stream.
     pub fn events(&self, run: &RunId) -> String {
         self.run_key(run, "events")
+    }
+
+    /// The run's transcript: one list entry per message, append-only.
+    pub fn transcript(&self, run: &RunId) -> String {
+        self.run_key(run, "transcript")
     }
 
     /// The run's control inbox.

@@ -11,14 +11,16 @@ use dashmap::DashMap;
 use super::local::{NodeRegistry, Wakeups};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
-    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, due_in,
+    EventRecord, Lease, Result, RunFilter, RunPage, check_seq, due_in, torn_transcript,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
 
 #[derive(Debug, Default)]
 struct RunEntry {
+    /// The record, without its transcript (kept apart, append-only, as the other stores do).
     checkpoint: Option<Checkpoint>,
+    transcript: Vec<String>,
     events: Vec<EventRecord>,
     controls: Vec<ControlRecord>,
     lease: Option<HeldLease>,
@@ -100,6 +102,24 @@ impl MemoryStore {
     }
 }
 
+/// The record as stored (no transcript) and the transcript entries a write appends.
+fn split_transcript(c: &Checkpoint) -> (Checkpoint, Vec<String>) {
+    let record = Checkpoint {
+        run_id: c.run_id.clone(),
+        tenant: c.tenant.clone(),
+        agent: c.agent.clone(),
+        status: c.status.clone(),
+        terminal: c.terminal,
+        version: c.version,
+        created_at_ms: c.created_at_ms,
+        updated_at_ms: c.updated_at_ms,
+        body: c.body.clone(),
+        transcript: Vec::new(),
+        transcript_from: 0,
+    };
+    (record, c.transcript.clone())
+}
+
 #[async_trait]
 impl CheckpointStore for MemoryStore {
     async fn create(
@@ -125,8 +145,9 @@ impl CheckpointStore for MemoryStore {
                 }
             }
         }
+        let (record, appended) = split_transcript(checkpoint);
         let mut entry = self.runs.entry(run.clone()).or_default();
-        if entry.checkpoint.as_ref() == Some(checkpoint) && entry.events == events {
+        if entry.checkpoint.as_ref() == Some(&record) && entry.events == events {
             // A retry of a create that was applied (its reply lost).
             return Ok(CreateOutcome::Created);
         }
@@ -137,13 +158,22 @@ impl CheckpointStore for MemoryStore {
                 found: entry.checkpoint.as_ref().map_or(0, |c| c.version),
             });
         }
-        entry.checkpoint = Some(checkpoint.clone());
+        if checkpoint.transcript_from != 0 {
+            return Err(torn_transcript(run, checkpoint.transcript_from, 0));
+        }
+        entry.checkpoint = Some(record);
+        entry.transcript = appended;
         entry.events = events.to_vec();
         Ok(CreateOutcome::Created)
     }
 
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>> {
-        Ok(self.runs.get(run).and_then(|e| e.checkpoint.clone()))
+        Ok(self.runs.get(run).and_then(|e| {
+            e.checkpoint.clone().map(|mut c| {
+                c.transcript = e.transcript.clone();
+                c
+            })
+        }))
     }
 
     async fn commit(
@@ -167,8 +197,9 @@ impl CheckpointStore for MemoryStore {
         }
         let found = entry.checkpoint.as_ref().map_or(0, |c| c.version);
         let last = entry.events.last().map_or(0, |e| e.seq);
+        let (record, appended) = split_transcript(checkpoint);
         // A retry of a commit that was applied (its reply lost) is not a conflict.
-        let replay = entry.checkpoint.as_ref() == Some(checkpoint)
+        let replay = entry.checkpoint.as_ref() == Some(&record)
             && events.last().is_none_or(|e| e.seq == last);
         if found != expected_version && replay {
             return Ok(());
@@ -181,7 +212,12 @@ impl CheckpointStore for MemoryStore {
             });
         }
         check_seq(run, last, events.iter().map(|e| e.seq))?;
-        entry.checkpoint = Some(checkpoint.clone());
+        let stored = entry.transcript.len() as u64;
+        if checkpoint.transcript_from != stored {
+            return Err(torn_transcript(run, checkpoint.transcript_from, stored));
+        }
+        entry.checkpoint = Some(record);
+        entry.transcript.extend(appended);
         entry.events.extend_from_slice(events);
         if checkpoint.terminal {
             self.due().set(run, None);

@@ -35,7 +35,7 @@ use super::keys::{DEFAULT_NAMESPACE, Keys};
 use super::{
     Checkpoint, CheckpointStore, Control, ControlRecord, CreateOutcome, Error, EventLog,
     EventRecord, Lease, Result, RunFilter, RunPage, check_seq, corrupt, due_in, encode_events,
-    is_dangling,
+    is_dangling, torn_transcript,
 };
 use crate::clock::now_ms;
 use crate::ids::RunId;
@@ -105,11 +105,13 @@ const NOT_FOUND: i64 = 2;
 const FENCED: i64 = 3;
 const CONFLICT: i64 = 4;
 const GAP: i64 = 5;
+const TORN: i64 = 6;
 const HELD: i64 = 7;
 const NODE_HELD: i64 = 9;
 
-/// KEYS: ckpt, events.
-/// ARGV: version, doc, status, terminal(0|1), n, then n × (seq, event json).
+/// KEYS: ckpt, events, transcript.
+/// ARGV: version, doc, status, terminal(0|1), n, then n × (seq, event json), m, then m
+/// transcript entries.
 const CREATE_LUA: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then
   -- A retry of an applied create (reply lost) is not a conflict.
@@ -120,16 +122,23 @@ local n = tonumber(ARGV[5])
 for i = 1, n do
   if tonumber(ARGV[4 + 2 * i]) ~= i then return {5, ARGV[4 + 2 * i]} end
 end
+local llen = redis.call('LLEN', KEYS[3])
+if llen ~= 0 then return {6, tostring(llen)} end
 for i = 1, n do
   redis.call('XADD', KEYS[2], ARGV[4 + 2 * i] .. '-0', 'e', ARGV[5 + 2 * i])
+end
+local m = tonumber(ARGV[6 + 2 * n])
+for i = 1, m do
+  redis.call('RPUSH', KEYS[3], ARGV[6 + 2 * n + i])
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[1], 'doc', ARGV[2], 'status', ARGV[3],
   'terminal', ARGV[4], 'seq', n, 'tokens', 0)
 return {0, ''}
 "#;
 
-/// KEYS: ckpt, events.
-/// ARGV: token, expected, new_version, doc, status, terminal(0|1), n, then n × (seq, json).
+/// KEYS: ckpt, events, transcript.
+/// ARGV: token, expected, new_version, doc, status, terminal(0|1), n, then n × (seq, json),
+/// then transcript_from, m, and m transcript entries.
 /// Answers OK with the status the commit replaced.
 const COMMIT_LUA: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 0 then return {2, ''} end
@@ -149,13 +158,29 @@ end
 for i = 1, n do
   if tonumber(ARGV[6 + 2 * i]) ~= last + i then return {5, ARGV[6 + 2 * i]} end
 end
+-- The transcript continues where it ends, or the write is torn.
+local llen = redis.call('LLEN', KEYS[3])
+if llen ~= tonumber(ARGV[8 + 2 * n]) then return {6, tostring(llen)} end
 for i = 1, n do
   redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
+end
+local m = tonumber(ARGV[9 + 2 * n])
+for i = 1, m do
+  redis.call('RPUSH', KEYS[3], ARGV[9 + 2 * n + i])
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[3], 'doc', ARGV[4], 'status', ARGV[5],
   'terminal', ARGV[6], 'seq', last + n)
 -- The status it replaced, for the listing index.
 return {0, h[4] or ''}
+"#;
+
+/// KEYS: ckpt, transcript. The record and its transcript, read together.
+const LOAD_LUA: &str = r#"
+local doc = redis.call('HGET', KEYS[1], 'doc')
+if not doc then return {} end
+local t = redis.call('LRANGE', KEYS[2], 0, -1)
+table.insert(t, 1, doc)
+return t
 "#;
 
 /// KEYS: ckpt, lease. ARGV: owner, ttl_ms.
@@ -235,6 +260,7 @@ struct StoredControl {
 struct Scripts {
     create: Script,
     commit: Script,
+    load: Script,
     claim: Script,
     renew: Script,
     release: Script,
@@ -249,6 +275,7 @@ impl Scripts {
         Scripts {
             create: Script::new(CREATE_LUA),
             commit: Script::new(COMMIT_LUA),
+            load: Script::new(LOAD_LUA),
             claim: Script::new(CLAIM_LUA),
             renew: Script::new(RENEW_LUA),
             release: Script::new(RELEASE_LUA),
@@ -259,10 +286,11 @@ impl Scripts {
         }
     }
 
-    fn all(&self) -> [&Script; 9] {
+    fn all(&self) -> [&Script; 10] {
         [
             &self.create,
             &self.commit,
+            &self.load,
             &self.claim,
             &self.renew,
             &self.release,
@@ -390,6 +418,9 @@ struct CommitJob {
     run: RunId,
     tenant: String,
     status: String,
+    /// On a single server: the status-index write that goes before the script, in the same
+    /// pipeline (a cluster sends it first, on its own).
+    index_first: Option<Cmd>,
     expected: u64,
     token: u64,
     terminal: bool,
@@ -444,6 +475,10 @@ fn commit_outcome(run: &RunId, expected: u64, token: u64, code: i64, detail: &st
             run: run.clone(),
             seq: detail.parse().unwrap_or(0),
         }),
+        // The expected start is not in the answer; the stored length is.
+        TORN => Err(Error::Corrupt(format!(
+            "run {run}: the commit does not continue the transcript, which holds {detail} entries"
+        ))),
         other => Err(Error::Corrupt(format!(
             "run {run}: commit script answered code {other}"
         ))),
@@ -643,9 +678,24 @@ impl Core {
 
     /// Sends a batch of commit commands and answers each job.
     async fn commit_batch(&self, batch: Vec<CommitJob>) {
-        let cmds: Vec<Cmd> = batch.iter().map(|j| j.cmd.clone()).collect();
+        // Index writes first, then the scripts, in one pipeline: one round trip per batch.
+        let firsts: Vec<(usize, Cmd)> = batch
+            .iter()
+            .enumerate()
+            .filter_map(|(i, j)| j.index_first.clone().map(|c| (i, c)))
+            .collect();
+        let mut cmds: Vec<Cmd> = firsts.iter().map(|(_, c)| c.clone()).collect();
+        cmds.extend(batch.iter().map(|j| j.cmd.clone()));
         match self.exec_scripts("committing", &cmds).await {
-            Ok(answers) => {
+            Ok(mut answers) => {
+                let scripts = answers.split_off(firsts.len());
+                // The script ran anyway; a failed index write is reported so that the caller
+                // retries, which replays the commit and writes the index again.
+                let mut index_failed = vec![false; batch.len()];
+                for ((i, _), a) in firsts.iter().zip(answers) {
+                    index_failed[*i] = a.value("indexing a run by status").is_err();
+                }
+                let answers = scripts;
                 // The status indexes the committed runs left (the script answers the status
                 // each commit replaced); removed after the commit, so a crash in between
                 // leaves only entries that readers skip.
@@ -653,7 +703,14 @@ impl Core {
                 let outcomes: Vec<Result<()>> = batch
                     .iter()
                     .zip(answers)
-                    .map(|(job, a)| {
+                    .zip(index_failed)
+                    .map(|((job, a), index_failed)| {
+                        if index_failed {
+                            return Err(Error::Unavailable(format!(
+                                "redis: committing run {}: the status index write failed",
+                                job.run
+                            )));
+                        }
                         a.reply("committing").and_then(|(code, detail)| {
                             if code == OK && !detail.is_empty() && detail != job.status {
                                 let mut c = ::redis::cmd("ZREM");
@@ -940,7 +997,7 @@ impl RedisStore {
         let keys = &self.core.keys;
         let mut cmd = self.core.evalsha(
             &self.core.scripts.commit,
-            &[keys.ckpt(run), keys.events(run)],
+            &[keys.ckpt(run), keys.events(run), keys.transcript(run)],
         );
         cmd.arg(lease.token)
             .arg(expected)
@@ -951,6 +1008,11 @@ impl RedisStore {
             .arg(events.len());
         for (seq, json) in events {
             cmd.arg(seq).arg(json);
+        }
+        cmd.arg(checkpoint.transcript_from)
+            .arg(checkpoint.transcript.len());
+        for entry in &checkpoint.transcript {
+            cmd.arg(entry);
         }
         Ok(cmd)
     }
@@ -1093,9 +1155,12 @@ impl CheckpointStore for RedisStore {
         }
         let doc = serde_json::to_string(checkpoint)
             .map_err(|e| corrupt(run, "encoding checkpoint", e))?;
+        if checkpoint.transcript_from != 0 {
+            return Err(torn_transcript(run, checkpoint.transcript_from, 0));
+        }
         let mut script = self.core.evalsha(
             &self.core.scripts.create,
-            &[keys.ckpt(run), keys.events(run)],
+            &[keys.ckpt(run), keys.events(run), keys.transcript(run)],
         );
         script
             .arg(checkpoint.version)
@@ -1105,6 +1170,10 @@ impl CheckpointStore for RedisStore {
             .arg(events.len());
         for (seq, json) in encode_events(run, events)? {
             script.arg(seq).arg(json);
+        }
+        script.arg(checkpoint.transcript.len());
+        for entry in &checkpoint.transcript {
+            script.arg(entry);
         }
         // Indexes before the checkpoint: a crash in between leaves entries readers skip.
         let mut indexes = Vec::new();
@@ -1141,6 +1210,7 @@ impl CheckpointStore for RedisStore {
                 run: run.clone(),
                 seq: detail.parse().unwrap_or(0),
             }),
+            TORN => Err(torn_transcript(run, 0, detail.parse().unwrap_or(0))),
             other => Err(Error::Corrupt(format!(
                 "run {run}: create script answered code {other}"
             ))),
@@ -1148,16 +1218,27 @@ impl CheckpointStore for RedisStore {
     }
 
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>> {
-        let doc: Option<String> = self
+        let what = format!("loading run {run}");
+        let keys = &self.core.keys;
+        let cmd = self.core.evalsha(
+            &self.core.scripts.load,
+            &[keys.ckpt(run), keys.transcript(run)],
+        );
+        let answer = self
             .core
-            .query(
-                &format!("loading run {run}"),
-                ::redis::cmd("HGET")
-                    .arg(self.core.keys.ckpt(run))
-                    .arg("doc"),
-            )
-            .await?;
-        doc.map(|d| Self::decode_checkpoint(run, &d)).transpose()
+            .exec_scripts(&what, &[cmd])
+            .await?
+            .pop()
+            .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")))?;
+        let parts: Vec<String> = ::redis::from_redis_value(answer.value(&what)?)
+            .map_err(|e| corrupt(run, "reading the checkpoint", e))?;
+        let mut parts = parts.into_iter();
+        let Some(doc) = parts.next() else {
+            return Ok(None);
+        };
+        let mut c = Self::decode_checkpoint(run, &doc)?;
+        c.transcript = parts.collect();
+        Ok(Some(c))
     }
 
     async fn commit(
@@ -1173,28 +1254,32 @@ impl CheckpointStore for RedisStore {
             let (version, status) = known.value();
             *version == expected_version && *status == checkpoint.status
         });
+        // Into the new status's index before the checkpoint says so.
+        let mut index_first = None;
         if !indexed {
-            // Into the new status's index before the checkpoint says so.
-            let _: Value = self
-                .core
-                .query(
-                    &format!("indexing run {run} by status"),
-                    ::redis::cmd("ZADD")
-                        .arg(
-                            self.core
-                                .keys
-                                .tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
-                        )
-                        .arg(0)
-                        .arg(run.as_str()),
-                )
-                .await?;
+            let mut zadd = ::redis::cmd("ZADD");
+            zadd.arg(
+                self.core
+                    .keys
+                    .tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
+            )
+            .arg(0)
+            .arg(run.as_str());
+            if self.is_cluster() {
+                let _: Value = self
+                    .core
+                    .query(&format!("indexing run {run} by status"), &zadd)
+                    .await?;
+            } else {
+                index_first = Some(zadd);
+            }
         }
         let (reply, wait) = oneshot::channel();
         let job = CommitJob {
             run: run.clone(),
             tenant: checkpoint.tenant.clone(),
             status: checkpoint.status.clone(),
+            index_first,
             expected: expected_version,
             token: lease.token,
             terminal: checkpoint.terminal,

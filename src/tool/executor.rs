@@ -42,6 +42,11 @@ pub enum ToolWork {
     },
     /// Reconcile: did the call with `ctx.idempotency_key` run?
     Status,
+    /// Long-running call: one poll of the accepted call's status URL (a short job; the wait
+    /// between polls is a timer of the run, not a worker).
+    Poll {
+        status_url: String,
+    },
 }
 
 /// One failed attempt the executor is about to try again: the attempt (from 1), its error
@@ -61,6 +66,12 @@ pub type OnRetry = Box<dyn Fn(RetryNotice) + Send + Sync>;
 pub enum ToolOutcome {
     Result(ToolResult),
     Status(Result<Option<ToolResult>, ToolError>),
+    /// The tool accepted the call (`202`) and finishes it later.
+    Accepted {
+        status_url: Option<String>,
+    },
+    /// One poll: `Ok(None)` still running, `Ok(Some)` the result, `Err` as `Tool::poll`.
+    Polled(Result<Option<ToolResult>, ToolError>),
 }
 
 struct Shared {
@@ -253,6 +264,30 @@ async fn call_with_retries(
     }
 }
 
+/// One poll of an accepted call, bounded by the tool's timeout; a result is sanitized like
+/// any other (redacted whole, then cut).
+async fn poll_once(
+    tool: &dyn Tool,
+    ctx: &ToolContext,
+    status_url: &str,
+    redactor: &Redactor,
+) -> Result<Option<ToolResult>, ToolError> {
+    let spec = tool.spec();
+    match tokio::time::timeout(spec.timeout, tool.poll(ctx, status_url)).await {
+        Ok(Ok(found)) => {
+            Ok(found.map(|d| ToolResult::success(d).sanitized(redactor, spec.max_output_bytes)))
+        }
+        Ok(Err(mut e)) => {
+            e.message = redactor.redact_then_cut(&e.message, MAX_ERROR_MESSAGE_CHARS);
+            Err(e)
+        }
+        Err(_) => Err(ToolError::new(
+            ToolErrorCode::Timeout,
+            format!("no poll answer within {:?}", spec.timeout),
+        )),
+    }
+}
+
 #[async_trait]
 impl PoolJob for ToolJob {
     async fn run(mut self) {
@@ -279,20 +314,29 @@ impl PoolJob for ToolJob {
             self.reply.send(match work {
                 ToolWork::Call { .. } => ToolOutcome::Result(ToolResult::failure(error)),
                 ToolWork::Status => ToolOutcome::Status(Err(error)),
+                ToolWork::Poll { .. } => ToolOutcome::Polled(Err(error)),
             });
             return;
         }
         let outcome = match work {
-            ToolWork::Call { arguments } => ToolOutcome::Result(
-                call_with_retries(
+            ToolWork::Call { arguments } => {
+                let result = call_with_retries(
                     self.tool.as_ref(),
                     &self.ctx,
                     arguments,
                     redactor,
                     self.on_retry.as_ref(),
                 )
-                .await
-                .sanitized(redactor, max_bytes),
+                .await;
+                match self.ctx.long_running.accepted() {
+                    Some(a) if result.ok => ToolOutcome::Accepted {
+                        status_url: a.status_url.clone(),
+                    },
+                    _ => ToolOutcome::Result(result.sanitized(redactor, max_bytes)),
+                }
+            }
+            ToolWork::Poll { status_url } => ToolOutcome::Polled(
+                poll_once(self.tool.as_ref(), &self.ctx, &status_url, redactor).await,
             ),
             ToolWork::Status => {
                 let status = match tokio::time::timeout(timeout, self.tool.status(&self.ctx)).await
@@ -320,6 +364,7 @@ impl PoolJob for ToolJob {
         let outcome = match self.work {
             ToolWork::Call { .. } => ToolOutcome::Result(ToolResult::failure(error)),
             ToolWork::Status => ToolOutcome::Status(Err(error)),
+            ToolWork::Poll { .. } => ToolOutcome::Polled(Err(error)),
         };
         self.reply.send(outcome);
     }

@@ -3,6 +3,15 @@
 //! classification by what may have been applied, and reconciliation through
 //! `GET <status url>` with the same key (API.md "Tools over HTTP").
 //!
+//! Long-running calls (API.md "Long-running HTTP tools"): every call also carries
+//! `X-Agentd-Callback-Url` and `X-Agentd-Callback-Token` when the daemon has a callback route.
+//! A `202 Accepted` answer with `{"status_url": …}` or a `Location` header (relative to the
+//! tool's URL) means the tool finishes the call later: the call notes it in
+//! `ctx.long_running` and the run polls `GET <status url>` (`Tool::poll`: `202` still running,
+//! other `2xx` the result, `408`/`429`/`5xx`/transport errors ask again, other `4xx` failed),
+//! or the tool posts the result to the callback route. The tool's bearer token is sent to a
+//! status URL only on the tool's own origin.
+//!
 //! Classification (the question is always "could the effect have been applied?"):
 //!
 //! | outcome | `read` tool | `idempotent` / `unsafe` tool |
@@ -36,6 +45,12 @@ use super::{Tool, ToolContext, ToolEffect, ToolError, ToolErrorCode, ToolSpec};
 pub const TENANT_HEADER: &str = "X-Agentd-Tenant";
 /// The run a call belongs to, on every call and status query.
 pub const RUN_ID_HEADER: &str = "X-Agentd-Run-Id";
+/// Where a long-running tool posts the call's result.
+pub const CALLBACK_URL_HEADER: &str = "X-Agentd-Callback-Url";
+/// The secret of that one call, as `Authorization: Bearer …` of the callback.
+pub const CALLBACK_TOKEN_HEADER: &str = "X-Agentd-Callback-Token";
+/// Longest `202` body read for its `status_url`.
+const MAX_ACCEPTED_BODY_BYTES: usize = 16 * 1024;
 
 /// Read beyond `max_output_bytes` by this much, so the caller can tell "exactly at the cap"
 /// from "cut".
@@ -169,18 +184,29 @@ impl HttpTool {
             "run_id": ctx.run_id.as_str(),
             "call_id": ctx.call_id.as_str(),
         });
-        let mut response = self
+        let mut request = self
             .authorized(self.client.post(self.url.clone()))
             .timeout(self.spec.timeout)
             .header("Idempotency-Key", &ctx.idempotency_key)
             .header(TENANT_HEADER, &ctx.tenant)
-            .header(RUN_ID_HEADER, ctx.run_id.as_str())
+            .header(RUN_ID_HEADER, ctx.run_id.as_str());
+        if let Some(cb) = &ctx.long_running.callback {
+            request = request
+                .header(CALLBACK_URL_HEADER, &cb.url)
+                .header(CALLBACK_TOKEN_HEADER, cb.token.expose());
+        }
+        let mut response = request
             .json(&body)
             .send()
             .await
             .map_err(|e| self.transport_error(&e, "sending the call"))?;
         let status = response.status();
         tracing::debug!(tool = %self.spec.name, call_id = %ctx.call_id, status = status.as_u16(), "http tool answered");
+        if status == StatusCode::ACCEPTED {
+            let status_url = self.accepted_status_url(&mut response).await;
+            ctx.long_running.accept(status_url);
+            return Ok(Value::Null);
+        }
         if status.is_success() {
             let cap = self
                 .spec
@@ -196,6 +222,70 @@ impl HttpTool {
         let mut error = ToolError::new(self.classify_status(status), message);
         error.retry_after = retry_after;
         Err(error)
+    }
+
+    /// The status URL of a `202` answer: the body's `status_url`, else the `Location` header,
+    /// either resolved against the tool's URL.
+    async fn accepted_status_url(&self, response: &mut reqwest::Response) -> Option<String> {
+        let location = response
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let body = read_body_capped(response, MAX_ACCEPTED_BODY_BYTES)
+            .await
+            .map(|(b, _)| b)
+            .unwrap_or_default();
+        let from_body = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v.get("status_url")?.as_str().map(str::to_owned));
+        let raw = from_body.or(location)?;
+        self.url.join(&raw).ok().map(String::from)
+    }
+
+    async fn get_status(&self, ctx: &ToolContext, url: &str) -> Result<Option<Value>, ToolError> {
+        let url = reqwest::Url::parse(url).map_err(|e| {
+            ToolError::new(ToolErrorCode::Failed, format!("invalid status URL: {e}"))
+        })?;
+        // The tool's bearer token goes only to the tool's own origin: a status URL elsewhere
+        // is asked without it.
+        let same_origin = url.origin() == self.url.origin();
+        let request = self.client.get(url);
+        let request = if same_origin {
+            self.authorized(request)
+        } else {
+            request
+        };
+        let mut response = request
+            .timeout(self.spec.timeout)
+            .header("Idempotency-Key", &ctx.idempotency_key)
+            .header(TENANT_HEADER, &ctx.tenant)
+            .header(RUN_ID_HEADER, ctx.run_id.as_str())
+            .send()
+            .await
+            .map_err(|e| status_transport_error(&e))?;
+        let status = response.status();
+        if status == StatusCode::ACCEPTED {
+            return Ok(None);
+        }
+        if status.is_success() {
+            let cap = self
+                .spec
+                .max_output_bytes
+                .saturating_add(OUTPUT_MARGIN_BYTES);
+            let (bytes, cut) = read_body_capped(&mut response, cap)
+                .await
+                .map_err(|e| status_transport_error(&e))?;
+            return Ok(Some(body_value(&bytes, cut)));
+        }
+        let message = server_message(&mut response).await;
+        // A poll changes nothing: every transient failure is asked again.
+        let code = match status.as_u16() {
+            408 | 429 | 500..=599 => ToolErrorCode::Retryable,
+            401 | 403 => ToolErrorCode::Permission,
+            _ => ToolErrorCode::Failed,
+        };
+        Err(ToolError::new(code, message))
     }
 
     fn classify_status(&self, status: StatusCode) -> ToolErrorCode {
@@ -223,6 +313,16 @@ impl Tool for HttpTool {
                 "the call was cancelled before the tool answered",
             )),
             result = self.post(ctx, arguments) => result,
+        }
+    }
+
+    async fn poll(&self, ctx: &ToolContext, status_url: &str) -> Result<Option<Value>, ToolError> {
+        tokio::select! {
+            biased;
+            () = ctx.cancel.cancelled() => {
+                Err(ToolError::new(ToolErrorCode::Retryable, "poll cancelled"))
+            }
+            r = self.get_status(ctx, status_url) => r,
         }
     }
 

@@ -640,3 +640,174 @@ async fn tool_status(State(state): State<Arc<ToolState>>, headers: HeaderMap) ->
         None => StatusCode::NOT_FOUND.into_response(),
     }
 }
+
+// ---------------------------------------------------------------- long-running tool server
+
+/// How the long-running tool answers a poll of its status URL.
+#[derive(Debug, Clone)]
+pub enum PollAnswer {
+    /// `202`: still running.
+    Running,
+    /// `200` with this body: the result.
+    Done(Value),
+    /// This status with `{"error":{"message"}}`.
+    Fail(u16, String),
+}
+
+/// One call the long-running tool accepted.
+#[derive(Debug, Clone)]
+pub struct AcceptedCall {
+    pub idempotency_key: Option<String>,
+    pub tenant: Option<String>,
+    pub callback_url: Option<String>,
+    pub callback_token: Option<String>,
+    pub body: Value,
+}
+
+struct LongState {
+    calls: Mutex<Vec<AcceptedCall>>,
+    answer: Mutex<PollAnswer>,
+    polls: tokio::sync::watch::Sender<usize>,
+    accepted: tokio::sync::watch::Sender<usize>,
+}
+
+/// A long-running HTTP tool: `POST /job` answers `202` with `{"status_url"}` (absolute),
+/// `POST /job-location` answers `202` with a relative `Location` header, `POST /job-callback`
+/// answers `202` with neither (only the callback completes it). `GET /status/{n}` answers the
+/// current [`PollAnswer`] and counts every poll.
+pub struct LongTool {
+    addr: SocketAddr,
+    state: Arc<LongState>,
+    stop: CancellationToken,
+}
+
+fn header(h: &HeaderMap, name: &str) -> Option<String> {
+    h.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+}
+
+async fn long_accept(
+    State((state, mode, base)): State<(Arc<LongState>, &'static str, String)>,
+    headers: HeaderMap,
+    body: axum::Json<Value>,
+) -> Response {
+    let n = {
+        let mut calls = state.calls.lock().unwrap();
+        calls.push(AcceptedCall {
+            idempotency_key: header(&headers, "idempotency-key"),
+            tenant: header(&headers, "x-agentd-tenant"),
+            callback_url: header(&headers, "x-agentd-callback-url"),
+            callback_token: header(&headers, "x-agentd-callback-token"),
+            body: body.0,
+        });
+        calls.len()
+    };
+    state.accepted.send_replace(n);
+    match mode {
+        "body" => (
+            StatusCode::ACCEPTED,
+            axum::Json(json!({"status_url": format!("{base}/status/{n}")})),
+        )
+            .into_response(),
+        "location" => (
+            StatusCode::ACCEPTED,
+            [("location", format!("/status/{n}"))],
+            "",
+        )
+            .into_response(),
+        _ => (StatusCode::ACCEPTED, axum::Json(json!({"state": "queued"}))).into_response(),
+    }
+}
+
+async fn long_status(State(state): State<Arc<LongState>>) -> Response {
+    state.polls.send_modify(|n| *n += 1);
+    match state.answer.lock().unwrap().clone() {
+        PollAnswer::Running => (
+            StatusCode::ACCEPTED,
+            axum::Json(json!({"state": "running"})),
+        )
+            .into_response(),
+        PollAnswer::Done(v) => (StatusCode::OK, axum::Json(v)).into_response(),
+        PollAnswer::Fail(status, message) => (
+            StatusCode::from_u16(status).unwrap(),
+            axum::Json(json!({"error": {"message": message}})),
+        )
+            .into_response(),
+    }
+}
+
+impl LongTool {
+    /// Starts on `127.0.0.1:0`, answering polls with `Running`.
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let base = format!("http://{addr}");
+        let state = Arc::new(LongState {
+            calls: Mutex::new(Vec::new()),
+            answer: Mutex::new(PollAnswer::Running),
+            polls: tokio::sync::watch::channel(0).0,
+            accepted: tokio::sync::watch::channel(0).0,
+        });
+        let accept = |mode: &'static str| {
+            Router::new().route("/", post(long_accept)).with_state((
+                state.clone(),
+                mode,
+                base.clone(),
+            ))
+        };
+        let router = Router::new()
+            .nest("/job", accept("body"))
+            .nest("/job-location", accept("location"))
+            .nest("/job-callback", accept("callback"))
+            .route("/status/{n}", get(long_status))
+            .with_state(state.clone());
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { stopped.cancelled().await })
+                .await;
+        });
+        LongTool { addr, state, stop }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn answer(&self, answer: PollAnswer) {
+        *self.state.answer.lock().unwrap() = answer;
+    }
+
+    pub fn polls(&self) -> usize {
+        *self.state.polls.borrow()
+    }
+
+    pub fn calls(&self) -> Vec<AcceptedCall> {
+        self.state.calls.lock().unwrap().clone()
+    }
+
+    /// Waits until at least `n` polls arrived (panics after `within`).
+    pub async fn wait_polls(&self, n: usize, within: std::time::Duration) {
+        let mut rx = self.state.polls.subscribe();
+        tokio::time::timeout(within, rx.wait_for(|c| *c >= n))
+            .await
+            .unwrap_or_else(|_| panic!("fewer than {n} polls within {within:?}"))
+            .unwrap();
+    }
+
+    /// Waits until at least `n` calls were accepted; returns the `n`-th.
+    pub async fn wait_call(&self, n: usize, within: std::time::Duration) -> AcceptedCall {
+        let mut rx = self.state.accepted.subscribe();
+        tokio::time::timeout(within, rx.wait_for(|c| *c >= n))
+            .await
+            .unwrap_or_else(|_| panic!("fewer than {n} calls within {within:?}"))
+            .unwrap();
+        self.calls()[n - 1].clone()
+    }
+}
+
+impl Drop for LongTool {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

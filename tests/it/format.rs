@@ -33,6 +33,17 @@ fn fixture_v1() -> (Checkpoint, Vec<EventRecord>) {
     )
 }
 
+/// The fixture of format version 2 (the transcript inline, after the version field): the same
+/// run as written by the release before the transcript moved out of the body.
+fn fixture_v2() -> (Checkpoint, Vec<EventRecord>) {
+    let text = include_str!("fixtures/checkpoint-v2-waiting-approval.json");
+    let v: serde_json::Value = serde_json::from_str(text).unwrap();
+    (
+        serde_json::from_value(v["checkpoint"].clone()).unwrap(),
+        serde_json::from_value(v["events"].clone()).unwrap(),
+    )
+}
+
 fn harness() -> (Builder, Arc<agentd::tool::builtin::Ledger>) {
     let deploy = CountingTool::new("deploy", ToolEffect::Unsafe)
         .with_spec(|s| s.approval(ApprovalRule::Always));
@@ -86,6 +97,43 @@ async fn a_version_1_run_waiting_for_approval_resumes_and_finishes_after_the_upg
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_2_run_resumes_and_its_transcript_moves_out_of_the_body() {
+    let (cp, events) = fixture_v2();
+    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 2);
+    let (builder, ledger) = harness();
+    builder.store.create(&cp, &events, None).await.unwrap();
+    let h = builder.start().await;
+    let run = h
+        .handle
+        .wait_until(TENANT, &cp.run_id, WAIT, |r| {
+            r.status == Status::WaitingApproval
+        })
+        .await
+        .unwrap();
+    assert_eq!(run.messages.len(), 2, "the inline transcript is read");
+    let call = run.pending_approvals().next().unwrap().call_id.clone();
+    h.handle
+        .decide(TENANT, &cp.run_id, &call, true, None, None, None)
+        .await
+        .unwrap();
+    let run = h.finish(&cp.run_id).await;
+    assert_eq!(run.status, Status::Succeeded);
+    assert_eq!(ledger.total(), 1);
+    // Rewritten in the current format: the body holds no message, the store holds the
+    // whole transcript (the two inline messages included) apart.
+    let stored = h.store.load(&cp.run_id).await.unwrap().unwrap();
+    assert_eq!(agentd::run::format::version_of(&stored.body).unwrap(), 3);
+    assert!(
+        !stored.body.contains(r#""content":"deploy v2""#),
+        "{}",
+        stored.body
+    );
+    assert_eq!(stored.transcript.len(), run.messages.len());
+    assert!(stored.transcript[0].contains("deploy v2"));
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_of_a_future_format_version_is_refused_and_quarantined_not_misread() {
     let (mut cp, events) = fixture_v1();
     cp.body = cp.body.replacen('{', r#"{"format_version":99,"#, 1);
@@ -96,7 +144,10 @@ async fn a_run_of_a_future_format_version_is_refused_and_quarantined_not_misread
     let err = h.handle.get_run(TENANT, &cp.run_id).await.unwrap_err();
     let message = err.to_string();
     assert!(message.contains("version 99"), "{message}");
-    assert!(message.contains("1 to 2"), "{message}");
+    assert!(
+        message.contains(&format!("1 to {}", agentd::run::format::CURRENT)),
+        "{message}"
+    );
     let (runs, _) = h
         .handle
         .list_runs(TENANT, &Default::default(), None, 50)

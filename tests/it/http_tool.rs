@@ -29,6 +29,7 @@ fn ctx(key: &str) -> ToolContext {
         call_id: CallId::new(1, 0),
         idempotency_key: key.to_owned(),
         cancel: CancellationToken::new(),
+        long_running: Default::default(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Tenant isolation, generated from `api::ROUTES`: every authenticated route is tried with the
 //! owner's token, another tenant's token, no token and a bad token. A route without a row here
-//! fails the test.
+//! fails the test. A route authenticated by a per-call callback token refuses every tenant
+//! token.
 
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
@@ -116,7 +117,10 @@ async fn other_tenants_see_404_exactly_like_a_missing_run() {
     let missing = "run_0000000000000000000000000000dead";
     let before = d.get(&format!("/v1/runs/{id}"), ALPHA).await.1;
     let mut checked = 0;
-    for route in agentd::api::ROUTES.iter().filter(|r| r.auth) {
+    for route in agentd::api::ROUTES
+        .iter()
+        .filter(|r| r.auth == agentd::api::Access::Tenant)
+    {
         for r in row(route.method, route.path, &id) {
             let label = format!("{} {} sse={}", route.method, r.path, r.sse);
             // No token, a bad token: 401.
@@ -160,7 +164,35 @@ async fn other_tenants_see_404_exactly_like_a_missing_run() {
             checked += 1;
         }
     }
-    assert!(checked >= 8);
+    // A route authenticated by a per-call callback token takes no tenant token at all: the
+    // owner's, another tenant's, a bad one or none are all 401, for this run or a missing one.
+    for route in agentd::api::ROUTES
+        .iter()
+        .filter(|r| r.auth == agentd::api::Access::CallToken)
+    {
+        for run in [id.as_str(), missing] {
+            let r = Row {
+                path: route
+                    .path
+                    .replace("{id}", run)
+                    .replace("{call_id}", "call_1_0"),
+                body: Some(json!({"ok": true, "data": 1})),
+                sse: false,
+            };
+            let (alpha, beta) = (format!("Bearer {ALPHA}"), format!("Bearer {BETA}"));
+            for auth in [
+                None,
+                Some("Bearer not-a-real-token-at-all"),
+                Some(alpha.as_str()),
+                Some(beta.as_str()),
+            ] {
+                let (s, body) = send(&d, route.method, &r, auth).await;
+                assert_eq!(s, StatusCode::UNAUTHORIZED, "{} {auth:?}: {body}", r.path);
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10);
     // Nothing another tenant did changed alpha's run.
     let after = d.get(&format!("/v1/runs/{id}"), ALPHA).await.1;
     assert_eq!(before["version"], after["version"], "{after}");

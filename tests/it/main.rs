@@ -42,6 +42,8 @@ mod hardening;
 mod http_tool;
 /// The tenant-isolation matrix, generated from `api::ROUTES`.
 mod isolation;
+/// Long-running HTTP tools: `202` + polling, the callback route, restart, cancel, deadline.
+mod long_running;
 /// MCP tools against the npm reference server.
 mod mcp;
 /// Several daemons on one Redis: node identity, controls through any node, takeover after

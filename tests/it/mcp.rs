@@ -62,6 +62,7 @@ fn ctx() -> ToolContext {
         call_id: CallId::new(1, 0),
         idempotency_key: "mcp-key".into(),
         cancel: CancellationToken::new(),
+        long_running: Default::default(),
     }
 }
 

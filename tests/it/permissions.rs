@@ -171,7 +171,10 @@ async fn scopes_by_tools_by_routes_matrix() {
 
     // Routes × tokens.
     let mut checked = 0;
-    for route in agentd::api::ROUTES.iter().filter(|r| r.auth) {
+    for route in agentd::api::ROUTES
+        .iter()
+        .filter(|r| r.auth == agentd::api::Access::Tenant)
+    {
         let (need, bodies) = route_rule(route.method, route.path);
         for body in bodies {
             for t in TOKENS {
@@ -219,6 +222,31 @@ async fn scopes_by_tools_by_routes_matrix() {
         }
     }
     assert!(checked >= 9 * TOKENS.len(), "{checked}");
+
+    // Routes authenticated by a per-call callback token: no tenant token, whatever its
+    // scopes, is one (401), and nothing changes.
+    let callback_routes = agentd::api::ROUTES
+        .iter()
+        .filter(|r| r.auth == agentd::api::Access::CallToken);
+    let mut callbacks = 0;
+    for route in callback_routes {
+        let id = d.create(PLAIN, "approver").await;
+        let before = d.wait_status(PLAIN, &id, "waiting_approval").await;
+        let path = route
+            .path
+            .replace("{id}", &id)
+            .replace("{call_id}", "call_1_0");
+        for t in TOKENS {
+            let method = Method::from_bytes(route.method.as_bytes()).unwrap();
+            let body = Some(json!({"ok": true, "data": "x"}));
+            let (status, _, answer) = d.send(method, &path, Some(t.secret), body).await;
+            assert_error(status, &answer, StatusCode::UNAUTHORIZED, "unauthenticated");
+            callbacks += 1;
+        }
+        let after = d.get(&format!("/v1/runs/{id}"), PLAIN).await.1;
+        assert_eq!(after["version"], before["version"], "{}", route.path);
+    }
+    assert!(callbacks >= TOKENS.len(), "{callbacks}");
 
     // Tools × tokens: every tool any agent offers.
     let (s, agents) = d.get("/v1/agents", PLAIN).await;
@@ -610,6 +638,7 @@ async fn mcp_calls_carry_the_tenant_and_run_in_meta() {
         call_id: CallId::new(1, 0),
         idempotency_key: "k".into(),
         cancel: CancellationToken::new(),
+        long_running: Default::default(),
     };
     let out = tokio::time::timeout(Duration::from_secs(30), whoami.call(&ctx, json!({})))
         .await

@@ -93,6 +93,8 @@ pub fn ckpt(run: &RunId, tenant: &str, version: u64) -> Checkpoint {
         created_at_ms: 1_700_000_000_000,
         updated_at_ms: 1_700_000_000_000 + version,
         body: json!({"turn": version, "note": "opaque"}).to_string(),
+        transcript: Vec::new(),
+        transcript_from: 0,
     }
 }
 

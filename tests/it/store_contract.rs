@@ -943,6 +943,61 @@ async fn check_filtered_listings(s: &dyn Store, tenant: &str, current: &[Checkpo
     assert_eq!(got, expected);
 }
 
+/// The transcript is stored apart, append-only: a create stores its entries, a commit appends
+/// only the new ones where the transcript ends, a load returns the whole of it; a write that
+/// does not continue it is refused and writes nothing; a replayed commit appends nothing.
+async fn transcript_is_append_only(s: &dyn Store) {
+    let run = RunId::generate();
+    let mut c = ckpt(&run, "t", 1);
+    c.transcript = vec![r#"{"m":1}"#.into(), r#"{"m":2}"#.into()];
+    s.create(&c, &[ev(1)], None).await.unwrap();
+    let loaded = s.load(&run).await.unwrap().unwrap();
+    assert_eq!(loaded.transcript, c.transcript);
+    assert_eq!(loaded.body, c.body);
+    let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+
+    let mut next = ckpt(&run, "t", 2);
+    next.transcript_from = 2;
+    next.transcript = vec![r#"{"m":3}"#.into()];
+    s.commit(&lease, &next, 1, &[ev(2)]).await.unwrap();
+    // The reply was lost; the same commit again is a replay, not a second append.
+    s.commit(&lease, &next, 1, &[ev(2)]).await.unwrap();
+    let loaded = s.load(&run).await.unwrap().unwrap();
+    assert_eq!(loaded.version, 2);
+    assert_eq!(
+        loaded.transcript,
+        vec![r#"{"m":1}"#, r#"{"m":2}"#, r#"{"m":3}"#]
+    );
+
+    // Continuing from the wrong place is a torn write: refused, nothing stored.
+    let mut torn = ckpt(&run, "t", 3);
+    torn.transcript_from = 1;
+    torn.transcript = vec![r#"{"m":"x"}"#.into()];
+    let err = s.commit(&lease, &torn, 2, &[ev(3)]).await.unwrap_err();
+    assert!(matches!(err, Error::Corrupt(_)), "{err:?}");
+    let loaded = s.load(&run).await.unwrap().unwrap();
+    assert_eq!(loaded.version, 2);
+    assert_eq!(loaded.transcript.len(), 3);
+    assert_eq!(
+        s.read(&run, 0, 10).await.unwrap().len(),
+        2,
+        "no event either"
+    );
+
+    // A commit that adds no message sends no entry.
+    let mut quiet = ckpt(&run, "t", 3);
+    quiet.transcript_from = 3;
+    s.commit(&lease, &quiet, 2, &[ev(3)]).await.unwrap();
+    assert_eq!(s.load(&run).await.unwrap().unwrap().transcript.len(), 3);
+    // A listing carries no transcript.
+    let page = s
+        .list_runs("t", &RunFilter::default(), None, 100)
+        .await
+        .unwrap();
+    let listed = page.items.iter().find(|c| c.run_id == run).unwrap();
+    assert!(listed.transcript.is_empty());
+}
+
 macro_rules! contract {
     ($($check:ident),* $(,)?) => {
         mod memory {
@@ -1009,6 +1064,7 @@ contract!(
     wakeups_block_time_out_and_deliver,
     client_key_retry_creates_the_missing_checkpoint,
     filtered_listings_follow_status_changes,
+    transcript_is_append_only,
 );
 
 /// The URL factory opens each kind.

@@ -109,7 +109,10 @@ pub(super) fn on_end(s: &mut RunState, t: &mut Transition, cx: &StepContext<'_>)
         .filter(|c| {
             matches!(
                 c.status,
-                CallStatus::Dispatched | CallStatus::Reconciling | CallStatus::OutcomeUnknown
+                CallStatus::Dispatched
+                    | CallStatus::AwaitingResult
+                    | CallStatus::Reconciling
+                    | CallStatus::OutcomeUnknown
             )
         })
         .filter_map(|c| {

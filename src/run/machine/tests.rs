@@ -1397,8 +1397,13 @@ fn an_expired_hold_takes_the_tools_default_decision() {
 #[test]
 fn a_held_call_survives_a_checkpoint_and_a_restart() {
     let mut s = held_after_three_failures();
-    let body = crate::run::format::encode(&s).unwrap();
-    let mut back = crate::run::format::decode(&body).unwrap();
+    let body = crate::run::format::encode(&mut s).unwrap();
+    let transcript: Vec<String> = s
+        .messages
+        .iter()
+        .map(|m| serde_json::to_string(m).unwrap())
+        .collect();
+    let mut back = crate::run::format::decode(&body, &transcript).unwrap();
     assert_eq!(back, s);
     let t = go(&mut back, RunEvent::Resume);
     assert_eq!(t.kind, "run_resumed");
@@ -1651,6 +1656,32 @@ fn arb_event() -> impl Strategy<Value = RunEvent> {
         }),
         Just(RunEvent::Input { text: "hi".into() }),
         Just(RunEvent::DeadlineReached),
+        long_running_event(),
+    ]
+}
+
+fn long_running_event() -> impl Strategy<Value = RunEvent> {
+    let call = (1u32..4, 0usize..3).prop_map(|(t, i)| CallId::new(t, i));
+    let result = prop_oneof![Just(ok()), Just(err(ToolErrorCode::Failed))];
+    prop_oneof![
+        (0u64..6, call.clone(), any::<bool>()).prop_map(|(epoch, call_id, url)| {
+            RunEvent::ToolAccepted {
+                epoch,
+                call_id,
+                status_url: url.then(|| "http://t/s".to_owned()),
+                timeout_ms: 1000,
+            }
+        }),
+        (0u64..6, call.clone(), result.clone()).prop_map(|(epoch, call_id, result)| {
+            RunEvent::ToolPolled {
+                epoch,
+                call_id,
+                result,
+            }
+        }),
+        (call.clone(), result)
+            .prop_map(|(call_id, result)| RunEvent::CallbackResult { call_id, result }),
+        (0u64..6, call).prop_map(|(epoch, call_id)| RunEvent::CallDeadline { epoch, call_id }),
     ]
 }
 
@@ -1974,3 +2005,5 @@ fn scopes_persist_with_the_run_and_old_checkpoints_hold_every_scope() {
     let old: RunState = serde_json::from_value(old).unwrap();
     assert_eq!(old.scopes, None);
 }
+
+mod long_running;

@@ -56,6 +56,8 @@ pub(super) fn execute(
         call_id: call_id.clone(),
         idempotency_key: k.key.clone(),
         cancel: live.cancel.child_token(),
+        // Compensations are not long-running: no callback is offered.
+        long_running: crate::tool::LongRunning::default(),
     };
     let work = if status_check {
         ToolWork::Status
@@ -94,6 +96,16 @@ pub(super) fn execute(
                         result,
                     }
                 }
+                // A compensating tool that answers `202` is not followed: its outcome is
+                // unknown (resent with the same key if it is idempotent, up to the policy).
+                ToolOutcome::Accepted { .. } | ToolOutcome::Polled(_) => RunEvent::ToolFinished {
+                    epoch,
+                    call_id,
+                    result: ToolResult::failure(ToolError::new(
+                        ToolErrorCode::OutcomeUnknown,
+                        "the compensating tool accepted the call to finish it later; long-running compensations are not followed",
+                    )),
+                },
                 ToolOutcome::Status(mut outcome) => {
                     match &mut outcome {
                         Ok(Some(result)) => result.redact(&redactor),
