@@ -524,6 +524,54 @@ fn a_call_in_flight_at_the_end_and_refused_arguments_are_skipped() {
 }
 
 #[test]
+fn a_long_running_call_is_undone_once_its_result_came_and_skipped_while_it_is_awaited() {
+    let mut s = new_run();
+    go(&mut s, RunEvent::Start);
+    let epoch = s.epoch;
+    go(
+        &mut s,
+        RunEvent::ModelReplied {
+            epoch,
+            reply: calls(&[
+                ("restart", json!({"service": "api"})),
+                ("restart", json!({"service": "db"})),
+            ]),
+        },
+    );
+    for call in ["call_1_0", "call_1_1"] {
+        let epoch = s.epoch;
+        go(
+            &mut s,
+            RunEvent::ToolAccepted {
+                epoch,
+                call_id: call.parse().unwrap(),
+                status_url: Some("http://t/status".into()),
+                timeout_ms: 1_000,
+            },
+        );
+    }
+    let epoch = s.epoch;
+    go(
+        &mut s,
+        RunEvent::ToolPolled {
+            epoch,
+            call_id: "call_1_0".parse().unwrap(),
+            result: ok(),
+        },
+    );
+    assert_eq!(s.compensations.len(), 1);
+    assert_eq!(s.compensations[0].status, C::Pending);
+    let t = go(&mut s, cancel());
+    assert_eq!(t.kind, "compensation_started");
+    assert_eq!(sent(&t), ["call_1_0_undo"]);
+    // The call still awaited has no known outcome: not undone, and the record says so.
+    assert_eq!(s.compensations[1].for_call.as_str(), "call_1_1");
+    assert_eq!(s.compensations[1].status, C::Skipped);
+    let t = finished(&mut s, "call_1_0_undo", ok());
+    assert_eq!(t.kind, "run_cancelled");
+}
+
+#[test]
 fn an_ending_is_kept_in_the_checkpoint() {
     let mut s = two_restarts();
     go(&mut s, cancel());
