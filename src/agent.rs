@@ -140,6 +140,18 @@ impl Agent {
                 tool: t.clone(),
             });
         }
+        // A compensating tool is allowed implicitly, but it must exist.
+        if let Some(c) = spec
+            .tools
+            .iter()
+            .filter_map(|t| registry.get(t)?.tool.spec().compensate.clone())
+            .find(|c| registry.get(&c.tool).is_none())
+        {
+            return Err(Error::UnknownTool {
+                agent: spec.name.clone(),
+                tool: c.tool,
+            });
+        }
         let tools = AgentTools::new(registry.clone(), spec.tools.clone().into())
             .with_ask_user(spec.ask_user);
         let definitions: Arc<[ToolDefinition]> = tools.definitions().into();

@@ -46,6 +46,50 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> Error {
     }
 }
 
+/// Whether the JSON Pointer `pointer` can name a value of arguments that fit `schema`: each
+/// segment must be a declared property where the schema declares properties (and allows no
+/// others), or an array index where it declares items.
+fn pointer_fits(schema: &Value, pointer: &str) -> Result<(), String> {
+    let mut node = schema;
+    let mut path = String::new();
+    for raw in pointer.split('/').skip(1) {
+        let seg = raw.replace("~1", "/").replace("~0", "~");
+        path.push('/');
+        path.push_str(raw);
+        if let Some(props) = node.get("properties").and_then(Value::as_object) {
+            match props.get(&seg) {
+                Some(next) => {
+                    node = next;
+                    continue;
+                }
+                None if node.get("additionalProperties") == Some(&Value::Bool(false))
+                    || !props.is_empty() =>
+                {
+                    return Err(format!(
+                        "`{path}` is not a property of the tool's parameters (they declare {})",
+                        props
+                            .keys()
+                            .map(|k| format!("`{k}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+                None => return Ok(()),
+            }
+        }
+        if let Some(items) = node.get("items") {
+            if seg.parse::<usize>().is_err() {
+                return Err(format!("`{path}` must be an array index"));
+            }
+            node = items;
+            continue;
+        }
+        // The schema says nothing more about this part: any pointer may fit.
+        return Ok(());
+    }
+    Ok(())
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -562,6 +606,28 @@ pub struct ToolConfig {
     /// JSON Pointers of the result parts the model sees (default: all of it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub project: Vec<String>,
+    /// The call that undoes a successful call of this tool when its run ends `cancelled` or
+    /// `failed`: `{ tool = "undo_x", arguments = { name = "/pointer" | { value = … } } }`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensate: Option<CompensateConfig>,
+}
+
+/// `[tools.X] compensate`: the compensating tool and its arguments, each a JSON Pointer into
+/// the original call's arguments (`"/service"`; `""` = all of them) or a literal
+/// (`{ value = … }`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompensateConfig {
+    pub tool: String,
+    #[serde(default)]
+    pub arguments: BTreeMap<String, Value>,
+}
+
+impl CompensateConfig {
+    /// The runtime's form of the rule (checked by `Config::validate`).
+    pub fn rule(&self) -> Result<crate::tool::Compensate, (String, String)> {
+        crate::tool::Compensate::parse(&self.tool, &self.arguments)
+    }
 }
 
 impl ToolConfig {
@@ -599,6 +665,7 @@ impl ToolConfig {
             deny: Vec::new(),
             paths: Vec::new(),
             project: Vec::new(),
+            compensate: None,
         }
     }
 
@@ -1377,6 +1444,9 @@ impl Config {
             }
             crate::run::guard::Guard::new(&t.guard_config())
                 .map_err(|e| invalid(format!("{key}.{}", e.key), e.message))?;
+            if let Some(c) = &t.compensate {
+                self.validate_compensate(&key, t, c, extra_tools)?;
+            }
         }
         for (name, a) in &self.agents {
             let key = format!("agents.{name}");
@@ -1466,6 +1536,101 @@ impl Config {
         for (i, p) in self.secrets.patterns.iter().enumerate() {
             regex::Regex::new(p)
                 .map_err(|e| invalid(format!("secrets.patterns[{i}]"), e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// `[tools.X] compensate`: the compensating tool exists (it is allowed implicitly: the
+    /// agents that use X need not list it), needs no approval and has no rule of its own; X has
+    /// side effects; each mapped argument is a pointer X's schema can hold, or a literal; the
+    /// compensating tool's required arguments are all mapped.
+    fn validate_compensate(
+        &self,
+        key: &str,
+        t: &ToolConfig,
+        c: &CompensateConfig,
+        extra_tools: &[String],
+    ) -> Result<(), Error> {
+        let key = format!("{key}.compensate");
+        if t.kind == ToolKind::Mcp {
+            return Err(invalid(
+                key,
+                "does not apply to kind \"mcp\" (set it on a tool of its own)",
+            ));
+        }
+        if t.effect == Some(crate::tool::ToolEffect::Read) {
+            return Err(invalid(
+                key,
+                "a `read` tool has no effect to undo (compensate applies to `unsafe` and `idempotent` tools)",
+            ));
+        }
+        let undo = self.tools.get(&c.tool);
+        let mcp_tool = c
+            .tool
+            .split_once(crate::tool::mcp::NAME_SEPARATOR)
+            .is_some_and(|(server, _)| {
+                self.tools
+                    .get(server)
+                    .is_some_and(|s| s.kind == ToolKind::Mcp)
+            });
+        if undo.is_none_or(|u| u.kind == ToolKind::Mcp)
+            && !mcp_tool
+            && !extra_tools.contains(&c.tool)
+        {
+            return Err(invalid(
+                format!("{key}.tool"),
+                format!("tool {:?} is not defined in [tools]", c.tool),
+            ));
+        }
+        if let Some(u) = undo {
+            if u.approval
+                .as_ref()
+                .is_some_and(|a| *a != crate::tool::ApprovalRule::Never)
+            {
+                return Err(invalid(
+                    format!("{key}.tool"),
+                    format!(
+                        "the compensating tool {:?} must not need approval (nobody would be asked while the run ends)",
+                        c.tool
+                    ),
+                ));
+            }
+            if u.compensate.is_some() {
+                return Err(invalid(
+                    format!("{key}.tool"),
+                    format!(
+                        "the compensating tool {:?} has a compensate rule of its own; compensations are not compensated",
+                        c.tool
+                    ),
+                ));
+            }
+            if let Some(required) = u
+                .parameters
+                .as_ref()
+                .and_then(|p| p.get("required"))
+                .and_then(Value::as_array)
+            {
+                for r in required.iter().filter_map(Value::as_str) {
+                    if !c.arguments.contains_key(r) {
+                        return Err(invalid(
+                            format!("{key}.arguments"),
+                            format!(
+                                "the compensating tool {:?} requires {r:?}, which is not mapped",
+                                c.tool
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        c.rule()
+            .map_err(|(arg, message)| invalid(format!("{key}.arguments.{arg}"), message))?;
+        for (arg, v) in &c.arguments {
+            if let (Value::String(p), Some(schema)) = (v, &t.parameters)
+                && let Err(message) = pointer_fits(schema, p)
+            {
+                return Err(invalid(format!("{key}.arguments.{arg}"), message));
+            }
         }
         Ok(())
     }

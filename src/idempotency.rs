@@ -27,6 +27,17 @@ pub fn idempotency_key(run: &RunId, turn: u32, index: usize, tool: &str, args: &
     format!("idk_{}", hex::encode(h.finalize()))
 }
 
+/// The idempotency key of the call that compensates the call with key `original`:
+/// `hex(sha256("agentd.compensate.v1\n" original))`, prefixed `idk_`. Derived only from the
+/// original's key, so every attempt and every restart sends the same one, and it never
+/// equals the original's.
+pub fn compensation_key(original: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"agentd.compensate.v1\n");
+    h.update(original.as_bytes());
+    format!("idk_{}", hex::encode(h.finalize()))
+}
+
 /// A short fingerprint of (tool, canonical arguments), used by no-progress detection.
 pub fn call_fingerprint(tool: &str, args: &Value) -> u64 {
     let mut h = Sha256::new();
@@ -115,6 +126,26 @@ mod tests {
             )
         );
     }
+
+    #[test]
+    fn compensation_key_golden_value() {
+        // Golden: a restarted daemon must resend a compensation under the key it was first
+        // sent with.
+        let k = compensation_key(GOLDEN_RESTART_KEY);
+        assert_eq!(
+            k,
+            "idk_".to_owned()
+                + &hex::encode(Sha256::digest(
+                    format!("agentd.compensate.v1\n{GOLDEN_RESTART_KEY}").as_bytes()
+                ))
+        );
+        assert_eq!(k, GOLDEN_COMPENSATION_KEY);
+        assert_ne!(k, GOLDEN_RESTART_KEY);
+        assert_ne!(k, compensation_key(&k));
+    }
+
+    const GOLDEN_COMPENSATION_KEY: &str =
+        "idk_4918997edb474c0844facc5c8e5146cd3166a4e5a4ccbba033664eaae2dedb47";
 
     const GOLDEN_RESTART_KEY: &str =
         "idk_3f3e659d0e69b58a945a3b013bb102c733d65f77c37957647151eed25387d92d";

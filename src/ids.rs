@@ -104,6 +104,11 @@ impl CallId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The id of the call that compensates this one: `call_3_1` → `call_3_1_undo`.
+    pub fn compensation(&self) -> CallId {
+        CallId(format!("{}_undo", self.0))
+    }
 }
 
 impl FromStr for CallId {

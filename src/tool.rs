@@ -156,6 +156,9 @@ pub struct ToolSpec {
     pub max_failures: u32,
     /// What a 401/403 answer does (see [`OnPermissionError`]).
     pub on_permission_error: OnPermissionError,
+    /// The call that undoes a successful call of this tool when its run ends `cancelled` or
+    /// `failed` (see [`Compensate`]).
+    pub compensate: Option<Compensate>,
 }
 
 /// The most attempts a tool may configure for one call.
@@ -185,6 +188,7 @@ impl ToolSpec {
             poll_max_interval: Duration::from_secs(30),
             max_failures: DEFAULT_MAX_FAILURES,
             on_permission_error: OnPermissionError::Fail,
+            compensate: None,
         }
     }
 
@@ -249,6 +253,80 @@ impl ToolSpec {
     pub fn on_permission_error(mut self, action: OnPermissionError) -> Self {
         self.on_permission_error = action;
         self
+    }
+
+    /// Undo a successful call with `compensate` when the run ends `cancelled` or `failed`.
+    pub fn compensate(mut self, compensate: Compensate) -> Self {
+        self.compensate = Some(compensate);
+        self
+    }
+}
+
+/// Where one argument of a compensating call comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompensateArg {
+    /// A JSON Pointer (RFC 6901) into the original call's arguments; `""` is all of them. A
+    /// pointer that finds nothing leaves the argument out.
+    Pointer(String),
+    /// A fixed value (`{ value = … }` in config).
+    Literal(Value),
+}
+
+/// `[tools.X] compensate = { tool = "undo_x", arguments = { name = "/pointer" | { value = … } } }`:
+/// the call the runtime makes to undo a successful call of tool X.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Compensate {
+    /// The compensating tool (any registered tool; it need not be on the agent's list).
+    pub tool: String,
+    /// The compensating call's arguments, by name.
+    pub arguments: Vec<(String, CompensateArg)>,
+}
+
+impl Compensate {
+    /// Parses the config form of the mapping: a string is a JSON Pointer (it must be `""` or
+    /// start with `/`), `{ value = … }` a literal. On error: (argument name, message).
+    pub fn parse(
+        tool: &str,
+        arguments: &std::collections::BTreeMap<String, Value>,
+    ) -> Result<Self, (String, String)> {
+        let mut out = Vec::with_capacity(arguments.len());
+        for (name, v) in arguments {
+            let arg = match v {
+                Value::String(p) if p.is_empty() || p.starts_with('/') => {
+                    CompensateArg::Pointer(p.clone())
+                }
+                Value::Object(m) if m.len() == 1 && m.contains_key("value") => {
+                    CompensateArg::Literal(m["value"].clone())
+                }
+                _ => {
+                    return Err((
+                        name.clone(),
+                        "must be a JSON Pointer into the call's arguments (\"/service\", \"\" for all of them) or a literal { value = … }".into(),
+                    ));
+                }
+            };
+            out.push((name.clone(), arg));
+        }
+        Ok(Compensate {
+            tool: tool.to_owned(),
+            arguments: out,
+        })
+    }
+
+    /// The compensating call's arguments for a call made with `original`.
+    pub fn arguments_for(&self, original: &Value) -> Value {
+        let mut m = serde_json::Map::new();
+        for (name, arg) in &self.arguments {
+            let v = match arg {
+                CompensateArg::Pointer(p) => original.pointer(p).cloned(),
+                CompensateArg::Literal(v) => Some(v.clone()),
+            };
+            if let Some(v) = v {
+                m.insert(name.clone(), v);
+            }
+        }
+        Value::Object(m)
     }
 }
 

@@ -162,6 +162,35 @@ pub struct PendingApprovalDto {
     pub reason: String,
 }
 
+/// One compensating call of a run: what undoes which successful call, and how it went.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompensationDto {
+    /// The compensating call's own id (the original's with `_undo`).
+    pub call_id: String,
+    /// The call it undoes, and that call's tool.
+    pub for_call: String,
+    pub for_tool: String,
+    pub tool: String,
+    pub arguments: Value,
+    /// Its `Idempotency-Key` (derived from the original call's).
+    pub key: String,
+    /// `pending`, `dispatched`, `reconciling` (while it runs); `done`, `failed`, `skipped`,
+    /// `outcome_unknown` (final).
+    pub status: String,
+    pub attempts: u32,
+    /// The compensating tool's error (`failed`, `outcome_unknown`).
+    pub error: Option<crate::tool::ToolError>,
+    /// Why it was `skipped`.
+    pub reason: Option<String>,
+}
+
+/// While a run is compensating: how it ends once its compensations are over.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndingDto {
+    pub status: String,
+    pub error: Option<RunError>,
+}
+
 /// The run as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunDto {
@@ -180,6 +209,12 @@ pub struct RunDto {
     pub awaiting_input: Option<String>,
     pub output: Option<Value>,
     pub error: Option<RunError>,
+    /// The compensating calls of its successful calls (see docs/api.md, "Compensation").
+    #[serde(default)]
+    pub compensations: Vec<CompensationDto>,
+    /// Set while `phase` is `compensating`: the end the run is heading for.
+    #[serde(default)]
+    pub ending: Option<EndingDto>,
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub metadata: Value,
     /// The creating token's scopes; absent: every scope.
@@ -214,7 +249,7 @@ impl From<&RunState> for RunDto {
             // A finished run's leftover calls can no longer be decided.
             pending_approvals: r
                 .pending_approvals()
-                .filter(|_| !r.status.is_terminal())
+                .filter(|_| !r.status.is_terminal() && r.ending.is_none())
                 .map(|c| PendingApprovalDto {
                     call_id: c.call_id.to_string(),
                     tool: c.tool.clone(),
@@ -230,6 +265,29 @@ impl From<&RunState> for RunDto {
             awaiting_input: r.question.as_ref().map(|(q, _)| q.clone()),
             output: r.output.clone(),
             error: r.error.clone(),
+            compensations: r
+                .compensations
+                .iter()
+                .map(|k| CompensationDto {
+                    call_id: k.call_id.to_string(),
+                    for_call: k.for_call.to_string(),
+                    for_tool: k.for_tool.clone(),
+                    tool: k.tool.clone(),
+                    arguments: k.arguments.clone(),
+                    key: k.key.clone(),
+                    status: serde_json::to_value(k.status)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default(),
+                    attempts: k.attempts,
+                    error: k.result.as_ref().and_then(|r| r.error.clone()),
+                    reason: k.reason.clone(),
+                })
+                .collect(),
+            ending: r.ending.as_ref().map(|e| EndingDto {
+                status: e.status.as_str().to_owned(),
+                error: e.error.clone(),
+            }),
             metadata: r.metadata.clone(),
             scopes: r.scopes.clone(),
             created_at: rfc3339(r.created_at_ms),
@@ -256,6 +314,15 @@ impl RunDto {
         }
         for p in &mut dto.pending_approvals {
             redactor.redact_value_in_place(&mut p.arguments);
+        }
+        for k in &mut dto.compensations {
+            redactor.redact_value_in_place(&mut k.arguments);
+            if let Some(e) = &mut k.error {
+                e.message = redactor.redact_str(&e.message).into_owned();
+            }
+        }
+        if let Some(e) = dto.ending.as_mut().and_then(|e| e.error.as_mut()) {
+            e.message = redactor.redact_str(&e.message).into_owned();
         }
         if let Some(q) = &mut dto.awaiting_input {
             *q = redactor.redact_str(q).into_owned();

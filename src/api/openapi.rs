@@ -51,6 +51,9 @@ pub const EVENT_TYPES: &[&str] = &[
     "model_retry",
     "model_retrying",
     "tool_call_accepted",
+    "compensation_started",
+    "compensation_finished",
+    "compensation_retrying",
     "tool_call_finished",
     "tool_retry",
     "tool_retrying",
@@ -104,6 +107,7 @@ const PHASES: &[&str] = &[
     "validating_calls",
     "executing_tools",
     "awaiting_tool",
+    "compensating",
     "reconciling",
     "verifying",
 ];
@@ -321,6 +325,8 @@ fn run_schema() -> Value {
             "awaiting_input": { "type": ["string", "null"] },
             "output": {},
             "error": { "oneOf": [schema_ref("RunError"), { "type": "null" }] },
+            "compensations": compensations(),
+            "ending": ending(),
             "metadata": {},
             "scopes": { "type": "array", "items": { "type": "string" }, "description": "The scopes of the token that created the run (absent: every scope)." },
             "created_at": { "type": "string", "format": "date-time" },
@@ -465,6 +471,24 @@ fn paths(limits: &LimitsConfig) -> Value {
         "/openapi.json": { "get": { "operationId": "openapi", "summary": "This document", "security": [],
             "responses": { "200": { "description": "OpenAPI 3.1." } } } }
     })
+}
+
+/// The run's `compensations` (its own function: one `json!` would nest past the macro's
+/// recursion limit).
+fn compensations() -> Value {
+    let item = json!({ "type": "object", "properties": {
+        "call_id": { "type": "string" }, "for_call": { "type": "string" }, "for_tool": { "type": "string" },
+        "tool": { "type": "string" }, "arguments": {}, "key": { "type": "string" },
+        "status": { "enum": ["pending", "dispatched", "reconciling", "done", "failed", "skipped", "outcome_unknown"] },
+        "attempts": { "type": "integer" },
+        "error": { "type": ["object", "null"] }, "reason": { "type": ["string", "null"] } } });
+    json!({ "type": "array", "items": item, "description": "The compensating calls of the run's successful calls of tools with a compensate rule, in the order those calls completed; run newest first when the run ends cancelled or failed." })
+}
+
+/// The run's `ending`, set while its phase is `compensating`.
+fn ending() -> Value {
+    json!({ "type": ["object", "null"], "description": "While phase is compensating: the status (and error) the run ends with once its compensations are over.", "properties": {
+        "status": { "enum": ["failed", "cancelled"] }, "error": { "type": ["object", "null"] } } })
 }
 
 /// `Message` and `MessageList`, the answer of `GET /v1/runs/{id}/messages`.

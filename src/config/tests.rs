@@ -101,6 +101,10 @@ fn default_toml_documents_every_key() {
         root: "/x".into(),
     }];
     tool.project = vec!["/x".into()];
+    tool.compensate = Some(CompensateConfig {
+        tool: "x".into(),
+        arguments: [("x".to_owned(), serde_json::json!("/x"))].into(),
+    });
     c.tools.insert("all".into(), tool);
     c.tenants[0].agents = Some(vec!["demo".into()]);
     c.secrets.values = vec![Secret("env:X".into())];
@@ -597,4 +601,129 @@ fn telemetry_is_off_by_default_and_its_keys_are_checked() {
     assert_eq!(otlp.interval, Duration::from_millis(100));
     assert_eq!(t.tenant_labels, Some(vec![c.tenants[0].id.clone()]));
     assert!(t.models.contains_key("scripted") || !t.models.is_empty());
+}
+
+fn comp(c: &mut Config) -> &mut CompensateConfig {
+    c.tools
+        .get_mut("restart_service")
+        .unwrap()
+        .compensate
+        .as_mut()
+        .unwrap()
+}
+
+const COMPENSATED: &str = r#"
+[[tenants]]
+id = "acme"
+tokens = ["a-long-random-token"]
+
+[models.m]
+kind = "scripted"
+replies = [{ text = "done" }]
+
+[tools.restart_service]
+kind = "http"
+url = "http://127.0.0.1:9000/restart"
+parameters = { type = "object", properties = { service = { type = "string" }, opts = { type = "object", properties = { force = { type = "boolean" } } } }, required = ["service"] }
+effect = "unsafe"
+compensate = { tool = "undo_restart", arguments = { service = "/service", reason = { value = "rollback" } } }
+
+[tools.undo_restart]
+kind = "http"
+url = "http://127.0.0.1:9000/undo"
+parameters = { type = "object", properties = { service = { type = "string" }, reason = { type = "string" } }, required = ["service"] }
+effect = "idempotent"
+
+[agents.triage]
+model = "m"
+tools = ["restart_service"]
+"#;
+
+#[test]
+fn compensate_rules_parse_and_are_validated_naming_the_key() {
+    let c = Config::from_toml(COMPENSATED).unwrap();
+    // The compensating tool is allowed implicitly: the agent does not list it.
+    c.validate().unwrap();
+    let rule = c.tools["restart_service"]
+        .compensate
+        .as_ref()
+        .unwrap()
+        .rule()
+        .unwrap();
+    assert_eq!(rule.tool, "undo_restart");
+    assert_eq!(
+        rule.arguments_for(&serde_json::json!({"service": "api", "other": 1})),
+        serde_json::json!({"service": "api", "reason": "rollback"})
+    );
+    let check = |edit: &dyn Fn(&mut Config)| -> String {
+        let mut c = Config::from_toml(COMPENSATED).unwrap();
+        edit(&mut c);
+        c.validate().unwrap_err().to_string()
+    };
+    let err = check(&|c| comp(c).tool = "nope".into());
+    assert_eq!(
+        err,
+        r#"tools.restart_service.compensate.tool: tool "nope" is not defined in [tools]"#
+    );
+    let err = check(&|c| {
+        comp(c)
+            .arguments
+            .insert("service".into(), serde_json::json!("service"));
+    });
+    assert!(
+        err.starts_with(
+            "tools.restart_service.compensate.arguments.service: must be a JSON Pointer"
+        ),
+        "{err}"
+    );
+    let err = check(&|c| {
+        comp(c)
+            .arguments
+            .insert("service".into(), serde_json::json!("/name"));
+    });
+    assert!(
+        err.starts_with(
+            "tools.restart_service.compensate.arguments.service: `/name` is not a property"
+        ),
+        "{err}"
+    );
+    // Nested pointers follow the schema.
+    let mut ok = Config::from_toml(COMPENSATED).unwrap();
+    comp(&mut ok)
+        .arguments
+        .insert("force".into(), serde_json::json!("/opts/force"));
+    ok.validate().unwrap();
+    let err = check(&|c| {
+        comp(c)
+            .arguments
+            .insert("force".into(), serde_json::json!("/opts/hard"));
+    });
+    assert!(err.contains("`/opts/hard` is not a property"), "{err}");
+    let err = check(&|c| {
+        comp(c).arguments.remove("service");
+    });
+    assert!(
+        err.starts_with("tools.restart_service.compensate.arguments: the compensating tool \"undo_restart\" requires \"service\""),
+        "{err}"
+    );
+    let err = check(&|c| {
+        c.tools.get_mut("undo_restart").unwrap().approval = Some(crate::tool::ApprovalRule::Always);
+    });
+    assert!(
+        err.starts_with("tools.restart_service.compensate.tool: the compensating tool"),
+        "{err}"
+    );
+    let err = check(&|c| {
+        c.tools.get_mut("restart_service").unwrap().effect = Some(crate::tool::ToolEffect::Read);
+    });
+    assert!(
+        err.starts_with("tools.restart_service.compensate: a `read` tool"),
+        "{err}"
+    );
+    let err = Config::from_toml(
+        &COMPENSATED.replace("compensate = { tool", "compensate = { undo = 1, tool"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("unknown field"), "{err}");
 }

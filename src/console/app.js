@@ -263,6 +263,11 @@ async function runPage(id) {
       h('dt', {}, 'usage'), h('dd', {}, `${run.usage.turns} turns · ${run.usage.tool_calls} tool calls · ${run.usage.input_tokens} in / ${run.usage.output_tokens} out tokens`),
       run.output !== null && run.output !== undefined ? [h('dt', {}, 'output'), h('dd', { id: 'run-output' }, h('pre', {}, short(run.output, 4000)))] : [],
       run.error ? [h('dt', {}, 'error'), h('dd', { class: 'error' }, `${run.error.code}: ${run.error.message}`)] : [],
+      run.ending ? [h('dt', {}, 'ending'), h('dd', { id: 'run-ending' }, `${run.ending.status} once its compensations are over`)] : [],
+      (run.compensations || []).length ? [h('dt', {}, 'compensations'), h('dd', { id: 'run-compensations' }, h('ul', {}, ...run.compensations.map((k) => h('li', { 'data-status': k.status },
+        `${k.tool} [${k.call_id}] undoes ${k.for_tool} [${k.for_call}]: ${k.status}`,
+        k.error ? h('span', { class: 'error' }, ` ${k.error.code}: ${k.error.message}`) : '',
+        k.reason ? h('span', { class: 'muted' }, ` (${k.reason})`) : ''))))] : [],
       h('dt', {}, 'updated'), h('dd', { class: 'muted' }, run.updated_at)));
     actions.replaceChildren(...controls(run, refresh));
     transcript.replaceChildren(...transcriptEntries(run, events).map(([who, text]) => h('div', { class: 'msg' }, h('div', { class: 'who' }, who), h('pre', {}, text))));

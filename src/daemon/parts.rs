@@ -167,6 +167,11 @@ fn apply(name: &str, t: &ToolConfig, mut spec: ToolSpec) -> Result<ToolSpec, Bui
     if let Some(a) = t.on_permission_error {
         spec.on_permission_error = a;
     }
+    if let Some(c) = &t.compensate {
+        spec.compensate = Some(c.rule().map_err(|(arg, message)| {
+            invalid(format!("tools.{name}.compensate.arguments.{arg}"), message)
+        })?);
+    }
     Ok(spec)
 }
 

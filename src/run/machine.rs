@@ -68,12 +68,26 @@
 //! | * | a control that does not fit (`apply_control`) | same, the control consumed | — | control_refused |
 //! | * | Abort | failed (given code) | AbortInFlight, Finish | run_failed |
 //! | * | DeadlineReached | failed (`budget_exceeded`) | AbortInFlight, Finish | run_failed |
+//! | * | any transition above that would end the run `cancelled` or `failed` while a compensation is pending | running/compensating, the end kept in `ending` | AbortInFlight, Compensate (the newest) | compensation_started (`cause` = the type it would have had) |
+//! | running/compensating | ToolFinished (of the compensation in flight) | the next compensation, or the recorded end | Compensate, or Finish | compensation_finished; the last one the terminal type (`cause` = compensation_finished) |
+//! | running/compensating | ToolRetrying (the executor retries it) | same | — | compensation_retrying |
+//! | running/compensating | RetryDue (after `overloaded`) | same | Compensate | compensation_retry |
+//! | running/compensating | StatusChecked | the next compensation, or the recorded end | Compensate / Finish | compensation_reconciled |
+//! | running/compensating | Resume | resend the one in flight (read/idempotent, same key), reconcile it, or `outcome_unknown` | Compensate / CheckCompensation | run_resumed |
+//! | running/compensating | Abort | failed (given code); compensations not run `skipped` | AbortInFlight, Finish | run_failed |
+//! | running/compensating | DeadlineReached (budgets do not block compensation) | same | — | late_result_ignored |
+//! | running/compensating | Cancel (ending `cancelled`: repeated, like the first); any other control | same | — | control_refused |
 //! | * | a reply with a stale epoch or for another phase | same | — | late_result_ignored |
 //! | succeeded, failed, cancelled | a pool or timer reply | same | — | late_result_ignored |
+//!
+//! "compensation": a call of a tool with a `compensate` rule that succeeded recorded its
+//! compensating call (`RunState::compensations`, `pending`); a run that succeeds drops them.
+//! The compensating phase and its rules are in `machine::compensate`.
 //!
 //! Every other (status, event) pair is `Err(InvalidTransition)`. A transition that ends the run
 //! records the terminal event type (`run_succeeded`, `run_failed`, `run_cancelled`) with the
 //! type it would otherwise have had as `data.cause`, so a log has exactly one terminal event.
+//! A run that compensates records it after its last compensation, never before.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -324,6 +338,16 @@ pub enum Effect {
         epoch: u64,
         after_ms: u64,
     },
+    /// Send the compensating call `call_id` (its intent is in `RunState::compensations`).
+    Compensate {
+        epoch: u64,
+        call_id: CallId,
+    },
+    /// Ask the compensating tool whether the compensating call `call_id` already ran.
+    CheckCompensation {
+        epoch: u64,
+        call_id: CallId,
+    },
     /// Poll the accepted call `call_id` (its `task` is in the committed state) with backoff
     /// until it has a result, and deliver `CallDeadline` at its deadline.
     PollTool {
@@ -413,6 +437,23 @@ pub trait ToolCatalog {
         let _ = name;
         OnPermissionError::Fail
     }
+    /// The call that undoes a successful call of `name`, with the compensating tool's facts
+    /// (default: none). The compensating tool need not be on the agent's list.
+    fn compensation(&self, name: &str) -> Option<CompensationPlan<'_>> {
+        let _ = name;
+        None
+    }
+}
+
+/// How a successful call of one tool is undone (see `machine::compensate`).
+#[derive(Debug, Clone, Copy)]
+pub struct CompensationPlan<'a> {
+    pub rule: &'a crate::tool::Compensate,
+    /// The compensating tool's policy facts.
+    pub info: ToolInfo,
+    /// The compensating tool's deny and path rules (its scopes are not checked: it undoes
+    /// what the run was allowed to do).
+    pub guard: Option<&'a Guard>,
 }
 
 /// Bounds the machine enforces besides the budget.
@@ -477,6 +518,7 @@ pub fn step(
     cx: &StepContext<'_>,
 ) -> Result<Transition, InvalidTransition> {
     let was_terminal = state.is_terminal();
+    let was_compensating = state.phase == Some(Phase::Compensating);
     let mut t = if was_terminal {
         if !event.is_reply() {
             return Err(invalid(
@@ -493,6 +535,9 @@ pub fn step(
     } else {
         dispatch(state, event, cx)?
     };
+    if !was_terminal && !was_compensating && state.is_terminal() {
+        compensate::on_end(state, &mut t, cx);
+    }
     if !was_terminal && state.is_terminal() {
         let terminal_kind = match state.status {
             Status::Succeeded => "run_succeeded",
@@ -598,7 +643,13 @@ pub fn apply_control(
 /// Whether `control` repeats a decision the run already took.
 fn is_repeat(state: &RunState, control: &Control) -> bool {
     match control {
-        Control::Cancel { .. } => state.status == Status::Cancelled,
+        Control::Cancel { .. } => {
+            state.status == Status::Cancelled
+                || state
+                    .ending
+                    .as_ref()
+                    .is_some_and(|e| e.status == Status::Cancelled)
+        }
         Control::Approve { call_id, .. } => state.decided.contains(&(call_id.clone(), true)),
         Control::Reject { call_id, .. } => state.decided.contains(&(call_id.clone(), false)),
         Control::Fail { call_id, .. } => state.failed_call.as_ref() == Some(call_id),
@@ -678,6 +729,9 @@ fn dispatch(
 ) -> Result<Transition, InvalidTransition> {
     use RunEvent as E;
     let phase = s.phase;
+    if phase == Some(Phase::Compensating) {
+        return compensate::dispatch(s, event, cx);
+    }
     match (s.status, event) {
         (_, E::Cancel { reason }) => {
             s.status = Status::Cancelled;
@@ -856,6 +910,7 @@ fn dispatch(
                     Err(_) => c.status = CallStatus::OutcomeUnknown,
                 }
             }
+            compensate::record(s, &call_id, cx);
             let effects = advance_batch(s, cx);
             let mut t = out(
                 "call_reconciled",
@@ -1672,7 +1727,10 @@ fn on_tool_finished(
     if let Some(result) = settled {
         let tool = c.tool.clone();
         match judge_result(s, &tool, &result, cx) {
-            Judged::Answer => settle(s, &call_id, result, None, cx.now_ms),
+            Judged::Answer => {
+                settle(s, &call_id, result, None, cx.now_ms);
+                compensate::record(s, &call_id, cx);
+            }
             Judged::Hold(reason, failures) => {
                 if let Value::Object(m) = &mut data {
                     m.insert("held".into(), json!(reason.as_str()));
@@ -2257,7 +2315,10 @@ fn complete_task(
     c.task = None;
     let tool = c.tool.clone();
     match judge_result(s, &tool, &result, cx) {
-        Judged::Answer => settle(s, &call_id, result, None, cx.now_ms),
+        Judged::Answer => {
+            settle(s, &call_id, result, None, cx.now_ms);
+            compensate::record(s, &call_id, cx);
+        }
         Judged::Hold(reason, failures) => {
             if let Value::Object(m) = &mut data {
                 m.insert("held".into(), json!(reason.as_str()));
@@ -2278,6 +2339,8 @@ fn complete_task(
     add_dispatched(s, &mut t);
     t
 }
+
+mod compensate;
 
 #[cfg(test)]
 mod tests;

@@ -80,6 +80,9 @@ pub enum Phase {
     ExecutingTools,
     Reconciling,
     Verifying,
+    /// The run is ending (`cancelled` or `failed`, recorded in `RunState::ending`) and undoes
+    /// its successful calls first, one compensating call at a time, newest first.
+    Compensating,
     /// Every call of the batch that is not done was accepted by its tool (`202`) and is being
     /// finished in the background: polled at its status URL, or completed through the
     /// callback route, until its own deadline.
@@ -95,6 +98,7 @@ impl Phase {
             Phase::ExecutingTools => "executing_tools",
             Phase::Reconciling => "reconciling",
             Phase::Verifying => "verifying",
+            Phase::Compensating => "compensating",
             Phase::AwaitingTool => "awaiting_tool",
         }
     }
@@ -186,6 +190,75 @@ impl HoldReason {
             HoldReason::PermissionError => "permission_error",
         }
     }
+}
+
+/// Where one compensating call stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompensationStatus {
+    /// Recorded when its original call succeeded; runs if the run ends cancelled or failed.
+    Pending,
+    /// Sent; its intent (key, arguments) is in the committed checkpoint.
+    Dispatched,
+    /// Asking the compensating tool whether the call with this key ran.
+    Reconciling,
+    /// The compensating call succeeded.
+    Done,
+    /// It ran and failed (after the runtime's retries by class).
+    Failed,
+    /// It was never sent (why: `reason`).
+    Skipped,
+    /// A crash left its outcome unknown and the tool could not be asked; not sent again.
+    OutcomeUnknown,
+}
+
+impl CompensationStatus {
+    /// Whether nothing more happens to it.
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            CompensationStatus::Done
+                | CompensationStatus::Failed
+                | CompensationStatus::Skipped
+                | CompensationStatus::OutcomeUnknown
+        )
+    }
+}
+
+/// The call that undoes one successful call of an `unsafe` tool with a `compensate` rule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Compensation {
+    /// Its own id: the original call's id with `_undo`.
+    pub call_id: CallId,
+    /// The call it undoes, and that call's tool.
+    pub for_call: CallId,
+    pub for_tool: String,
+    /// The compensating tool and its arguments (mapped from the original call's).
+    pub tool: String,
+    pub arguments: Value,
+    /// Derived from the original call's key (`idempotency::compensation_key`).
+    pub key: String,
+    pub effect: ToolEffect,
+    #[serde(default)]
+    pub reconcilable: bool,
+    pub status: CompensationStatus,
+    /// Times sent to the tool.
+    #[serde(default)]
+    pub attempts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<ToolResult>,
+    /// Why it was skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// How a run that is compensating will end once its compensations are over.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ending {
+    /// `cancelled` or `failed`.
+    pub status: Status,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<RunError>,
 }
 
 /// Why a run failed: a stable snake_case code and one sentence.
@@ -294,6 +367,13 @@ pub struct RunState {
     /// can be read back after a crash or from another node. Bounded by `MAX_CONTROL_REFUSALS`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub control_refusals: Vec<ControlRefusal>,
+    /// The compensating calls of this run's successful calls of tools with a `compensate`
+    /// rule, in the order those calls completed (run newest first, while `compensating`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compensations: Vec<Compensation>,
+    /// While `compensating`: how the run ends when its compensations are over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ending: Option<Ending>,
     /// Digest of the agent definition the run started with (instructions, model, tool schemas,
     /// budgets); a node whose definition differs does not take the run over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -359,6 +439,8 @@ impl RunState {
             failed_call: None,
             controls_applied: 0,
             control_refusals: Vec::new(),
+            compensations: Vec::new(),
+            ending: None,
             agent_digest: None,
             restarts: 0,
             created_at_ms: now_ms,

@@ -42,6 +42,8 @@ use crate::store::{self, Checkpoint, EventRecord, Lease, SharedStore};
 use crate::tool::executor::{ToolExecutor, ToolOutcome, ToolWork};
 use crate::tool::{ToolContext, ToolError, ToolErrorCode, ToolResult};
 
+mod compensate;
+
 /// One run's actor.
 #[derive(Debug)]
 pub struct RunActor;
@@ -1101,7 +1103,10 @@ const DEFERRED_RECHECK: Duration = Duration::from_millis(100);
 fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effect: Effect) {
     if matches!(
         effect,
-        Effect::ExecuteTool { .. } | Effect::CheckStatus { .. }
+        Effect::ExecuteTool { .. }
+            | Effect::CheckStatus { .. }
+            | Effect::Compensate { .. }
+            | Effect::CheckCompensation { .. }
     ) && !deps.leases.fresh(&live.run.id, deps.lease_ttl, now_ms())
     {
         // The lease could lapse before the call is answered and another node could take the
@@ -1260,6 +1265,12 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                     };
                     let _ = me.cast(RunMsg::Event(event));
                 });
+        }
+        Effect::Compensate { epoch, call_id } => {
+            compensate::execute(myself, deps, live, epoch, call_id, false);
+        }
+        Effect::CheckCompensation { epoch, call_id } => {
+            compensate::execute(myself, deps, live, epoch, call_id, true);
         }
         Effect::Verify { epoch, candidate } => {
             let verdict = verify_all(&live.agent.spec.verifiers, &candidate, run);

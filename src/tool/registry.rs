@@ -177,6 +177,23 @@ impl AgentTools {
         self.allowed_spec(name)?;
         self.registry.get(name).map(|t| t.tool.clone())
     }
+
+    /// The tool behind a name that an allow-listed tool names as its compensating tool (the
+    /// runtime may call it to undo a call; the model is not offered it unless it is listed).
+    pub fn compensating_tool(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        self.allowed
+            .iter()
+            .filter_map(|a| self.registry.get(a))
+            .any(|t| {
+                t.tool
+                    .spec()
+                    .compensate
+                    .as_ref()
+                    .is_some_and(|c| c.tool == name)
+            })
+            .then(|| self.registry.get(name).map(|t| t.tool.clone()))
+            .flatten()
+    }
 }
 
 impl ToolCatalog for AgentTools {
@@ -224,5 +241,19 @@ impl ToolCatalog for AgentTools {
         self.allowed_spec(name)
             .map(|s| s.on_permission_error)
             .unwrap_or_default()
+    }
+
+    fn compensation(&self, name: &str) -> Option<crate::run::machine::CompensationPlan<'_>> {
+        let rule = self.allowed_spec(name)?.compensate.as_ref()?;
+        let undo = self.registry.get(&rule.tool)?.tool.spec();
+        Some(crate::run::machine::CompensationPlan {
+            rule,
+            info: ToolInfo {
+                effect: undo.effect,
+                polling: undo.polling,
+                reconcilable: undo.reconcilable,
+            },
+            guard: Some(&*undo.guard),
+        })
     }
 }

@@ -13,6 +13,9 @@ mod chaos_support;
 mod cli;
 /// A local three-master Redis Cluster for the store contract and chaos tests.
 mod cluster_support;
+/// Compensation: a cancelled or failed run undoes its successful unsafe calls, newest first,
+/// exactly once, also across a kill -9.
+mod compensation;
 /// The web console in headless Chromium (playwright-core).
 mod console;
 /// Control routes: cancel, approvals, input — idempotency and conflicts.
