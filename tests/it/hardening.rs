@@ -419,12 +419,14 @@ async fn trickle_headers(
     }
 }
 
-/// A connection that sends nothing at all, opened and kept until the server closes it;
-/// returns how long that took (`None`: still open after `give_up`).
-async fn silent_connection(addr: std::net::SocketAddr, give_up: Duration) -> Option<Duration> {
+/// A connection that sends nothing at all, kept until the server closes it; returns how long
+/// that took from `started` (`None`: still open after `give_up`).
+async fn silent_connection(
+    mut stream: tokio::net::TcpStream,
+    started: Instant,
+    give_up: Duration,
+) -> Option<Duration> {
     use tokio::io::AsyncReadExt as _;
-    let started = Instant::now();
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut buf = [0u8; 64];
     let closed = tokio::time::timeout(give_up, async {
         while !matches!(stream.read(&mut buf).await, Ok(0) | Err(_)) {}
@@ -444,9 +446,13 @@ async fn slow_header_senders_are_closed_in_time_and_healthz_keeps_answering() {
     // full accept queue, which a client that never sends cannot notice.
     let mut slow = Vec::new();
     for _ in 0..SLOW / 10 {
-        let stream_open = silent_connection(addr, Duration::from_secs(15));
-        slow.push(tokio::spawn(stream_open));
-        tokio::task::yield_now().await;
+        let started = Instant::now();
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.push(tokio::spawn(silent_connection(
+            stream,
+            started,
+            Duration::from_secs(15),
+        )));
     }
     slow.extend((0..SLOW).map(|_| {
         tokio::spawn(trickle_headers(
