@@ -60,6 +60,8 @@ mod partition;
 /// Scopes × tools × routes, approver roles, agents per tenant, injection against guards,
 /// result projection, whom tools act for.
 mod permissions;
+/// A run against a real small model, when `AGENTD_REAL_MODEL_URL` is set (else skipped).
+mod real_model;
 /// Store-test helpers: builders, Redis namespaces, a private redis-server.
 mod redis_support;
 /// The core runtime through `RuntimeHandle`.
