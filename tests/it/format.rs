@@ -1,4 +1,4 @@
-//! The stored checkpoint format across upgrades: golden fixtures of earlier formats load,
+//! The stored checkpoint format across upgrades: golden fixtures of every format (1, 2, 3) load,
 //! resume and finish; a record of a future format is refused, not misread.
 
 use std::sync::Arc;
@@ -169,6 +169,52 @@ async fn a_run_of_a_future_format_version_is_refused_and_quarantined_not_misread
     assert_eq!(
         h.store.load(&cp.run_id).await.unwrap().unwrap().body,
         cp.body
+    );
+    h.shutdown().await;
+}
+
+/// The fixture of format version 3 (the transcript stored apart; captured from this build's
+/// first release of it): the same kind of run, waiting for approval.
+fn fixture_v3() -> (Checkpoint, Vec<EventRecord>) {
+    let text = include_str!("fixtures/checkpoint-v3-waiting-approval.json");
+    let v: serde_json::Value = serde_json::from_str(text).unwrap();
+    let mut cp: Checkpoint = serde_json::from_value(v["checkpoint"].clone()).unwrap();
+    cp.transcript = serde_json::from_value(v["transcript"].clone()).unwrap();
+    (cp, serde_json::from_value(v["events"].clone()).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_3_run_resumes_and_appends_to_its_stored_transcript() {
+    let (cp, events) = fixture_v3();
+    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 3);
+    let fixture_transcript = cp.transcript.clone();
+    assert_eq!(fixture_transcript.len(), 2);
+    let (builder, ledger) = harness();
+    builder.store.create(&cp, &events, None).await.unwrap();
+    let h = builder.start().await;
+    let run = h
+        .handle
+        .wait_until(TENANT, &cp.run_id, WAIT, |r| {
+            r.status == Status::WaitingApproval
+        })
+        .await
+        .unwrap();
+    assert_eq!(run.messages.len(), 2, "the stored transcript is read");
+    let call = run.pending_approvals().next().unwrap().call_id.clone();
+    h.handle
+        .decide(TENANT, &cp.run_id, &call, true, None, None, None)
+        .await
+        .unwrap();
+    let run = h.finish(&cp.run_id).await;
+    assert_eq!(run.status, Status::Succeeded);
+    assert_eq!(run.output, Some(json!("deployed")));
+    assert_eq!(ledger.total(), 1);
+    let stored = h.store.load(&cp.run_id).await.unwrap().unwrap();
+    assert_eq!(stored.transcript.len(), run.messages.len());
+    assert_eq!(
+        stored.transcript[..2],
+        fixture_transcript[..],
+        "appended to, never rewritten"
     );
     h.shutdown().await;
 }
