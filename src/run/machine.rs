@@ -1726,25 +1726,8 @@ fn on_tool_finished(
     }
     if let Some(result) = settled {
         let tool = c.tool.clone();
-        match judge_result(s, &tool, &result, cx) {
-            Judged::Answer => {
-                settle(s, &call_id, result, None, cx.now_ms);
-                compensate::record(s, &call_id, cx);
-            }
-            Judged::Hold(reason, failures) => {
-                if let Value::Object(m) = &mut data {
-                    m.insert("held".into(), json!(reason.as_str()));
-                    if let Some(n) = failures {
-                        m.insert("failures".into(), json!(n));
-                    }
-                }
-                settle(s, &call_id, result, Some(reason), cx.now_ms);
-            }
-            Judged::Stop(error) => {
-                settle(s, &call_id, result, None, cx.now_ms);
-                let effects = fail(s, error);
-                return out("tool_call_finished", data, effects);
-            }
+        if let Some(effects) = settle_judged(s, &call_id, &tool, result, &mut data, cx) {
+            return out("tool_call_finished", data, effects);
         }
     }
     effects.extend(advance_batch(s, cx));
@@ -1773,6 +1756,40 @@ fn counts_as_tool_failure(code: ToolErrorCode) -> bool {
             | ToolErrorCode::Timeout
             | ToolErrorCode::OutcomeUnknown
     )
+}
+
+/// Settles a call's final result as `judge_result` decides: the answer goes to the model (and
+/// records the call's compensation), a hold waits for an operator (noted in the event's
+/// `data`), a stop ends the run — its effects are returned for the caller's transition.
+fn settle_judged(
+    s: &mut RunState,
+    call_id: &CallId,
+    tool: &str,
+    result: ToolResult,
+    data: &mut Value,
+    cx: &StepContext<'_>,
+) -> Option<Vec<Effect>> {
+    match judge_result(s, tool, &result, cx) {
+        Judged::Answer => {
+            settle(s, call_id, result, None, cx.now_ms);
+            compensate::record(s, call_id, cx);
+            None
+        }
+        Judged::Hold(reason, failures) => {
+            if let Value::Object(m) = data {
+                m.insert("held".into(), json!(reason.as_str()));
+                if let Some(n) = failures {
+                    m.insert("failures".into(), json!(n));
+                }
+            }
+            settle(s, call_id, result, Some(reason), cx.now_ms);
+            None
+        }
+        Judged::Stop(error) => {
+            settle(s, call_id, result, None, cx.now_ms);
+            Some(fail(s, error))
+        }
+    }
 }
 
 /// Tracks the tool's failures in a row and applies its permission-error policy.
@@ -2314,25 +2331,8 @@ fn complete_task(
     }
     c.task = None;
     let tool = c.tool.clone();
-    match judge_result(s, &tool, &result, cx) {
-        Judged::Answer => {
-            settle(s, &call_id, result, None, cx.now_ms);
-            compensate::record(s, &call_id, cx);
-        }
-        Judged::Hold(reason, failures) => {
-            if let Value::Object(m) = &mut data {
-                m.insert("held".into(), json!(reason.as_str()));
-                if let Some(n) = failures {
-                    m.insert("failures".into(), json!(n));
-                }
-            }
-            settle(s, &call_id, result, Some(reason), cx.now_ms);
-        }
-        Judged::Stop(error) => {
-            settle(s, &call_id, result, None, cx.now_ms);
-            let effects = fail(s, error);
-            return out("tool_call_finished", data, effects);
-        }
+    if let Some(effects) = settle_judged(s, &call_id, &tool, result, &mut data, cx) {
+        return out("tool_call_finished", data, effects);
     }
     let effects = advance_batch(s, cx);
     let mut t = out("tool_call_finished", data, effects);

@@ -22,26 +22,27 @@ fn deploy_model() -> ScriptedModel {
     })
 }
 
+/// A fixture file: the stored checkpoint, its transcript (stored apart from format 3 on;
+/// absent before) and its event log.
+fn fixture(text: &str) -> (Checkpoint, Vec<EventRecord>) {
+    let v: serde_json::Value = serde_json::from_str(text).unwrap();
+    let mut cp: Checkpoint = serde_json::from_value(v["checkpoint"].clone()).unwrap();
+    if let Some(t) = v.get("transcript") {
+        cp.transcript = serde_json::from_value(t.clone()).unwrap();
+    }
+    (cp, serde_json::from_value(v["events"].clone()).unwrap())
+}
+
 /// The fixture: a run of format version 1 (captured from the code before the version field,
 /// commit 6e211ec) waiting for approval of its `deploy` call, with its event log.
 fn fixture_v1() -> (Checkpoint, Vec<EventRecord>) {
-    let text = include_str!("fixtures/checkpoint-v1-waiting-approval.json");
-    let v: serde_json::Value = serde_json::from_str(text).unwrap();
-    (
-        serde_json::from_value(v["checkpoint"].clone()).unwrap(),
-        serde_json::from_value(v["events"].clone()).unwrap(),
-    )
+    fixture(include_str!("fixtures/checkpoint-v1-waiting-approval.json"))
 }
 
 /// The fixture of format version 2 (the transcript inline, after the version field): the same
 /// run as written by the release before the transcript moved out of the body.
 fn fixture_v2() -> (Checkpoint, Vec<EventRecord>) {
-    let text = include_str!("fixtures/checkpoint-v2-waiting-approval.json");
-    let v: serde_json::Value = serde_json::from_str(text).unwrap();
-    (
-        serde_json::from_value(v["checkpoint"].clone()).unwrap(),
-        serde_json::from_value(v["events"].clone()).unwrap(),
-    )
+    fixture(include_str!("fixtures/checkpoint-v2-waiting-approval.json"))
 }
 
 fn harness() -> (Builder, Arc<agentd::tool::builtin::Ledger>) {
@@ -176,11 +177,7 @@ async fn a_run_of_a_future_format_version_is_refused_and_quarantined_not_misread
 /// The fixture of format version 3 (the transcript stored apart; captured from this build's
 /// first release of it): the same kind of run, waiting for approval.
 fn fixture_v3() -> (Checkpoint, Vec<EventRecord>) {
-    let text = include_str!("fixtures/checkpoint-v3-waiting-approval.json");
-    let v: serde_json::Value = serde_json::from_str(text).unwrap();
-    let mut cp: Checkpoint = serde_json::from_value(v["checkpoint"].clone()).unwrap();
-    cp.transcript = serde_json::from_value(v["transcript"].clone()).unwrap();
-    (cp, serde_json::from_value(v["events"].clone()).unwrap())
+    fixture(include_str!("fixtures/checkpoint-v3-waiting-approval.json"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
