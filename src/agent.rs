@@ -29,6 +29,9 @@ pub struct AgentSpec {
     /// Whether the model is offered `ask_user` (a question to the user; the run waits for
     /// input). Off: only the allow-listed tools, and an `ask_user` call is corrected.
     pub ask_user: bool,
+    /// Whether the model is offered the runtime's `read_output` tool, which pages through an
+    /// earlier tool output of the run that the context cut.
+    pub read_output: bool,
 }
 
 impl AgentSpec {
@@ -43,7 +46,15 @@ impl AgentSpec {
             verifiers: Vec::new(),
             context: ContextBudget::default(),
             ask_user: true,
+            read_output: true,
         }
+    }
+
+    /// Offers `read_output` or not (the context's truncation notes follow).
+    pub fn read_output(mut self, offered: bool) -> Self {
+        self.read_output = offered;
+        self.context.read_output = offered;
+        self
     }
 
     pub fn ask_user(mut self, offered: bool) -> Self {
@@ -72,7 +83,11 @@ impl AgentSpec {
     }
 
     pub fn context(mut self, budget: ContextBudget) -> Self {
-        self.context = budget;
+        // Whether the notes offer `read_output` follows whether the agent offers it.
+        self.context = ContextBudget {
+            read_output: self.read_output,
+            ..budget
+        };
         self
     }
 
@@ -153,7 +168,8 @@ impl Agent {
             });
         }
         let tools = AgentTools::new(registry.clone(), spec.tools.clone().into())
-            .with_ask_user(spec.ask_user);
+            .with_ask_user(spec.ask_user)
+            .with_read_output(spec.read_output);
         let definitions: Arc<[ToolDefinition]> = tools.definitions().into();
         let digest = definition_digest(&spec, &definitions);
         let schema_tokens = definitions
@@ -237,6 +253,7 @@ mod tests {
         let budget = ContextBudget {
             max_tokens: 1000,
             max_tool_output_bytes: 64,
+            read_output: true,
         };
         let bare = Agent::new(AgentSpec::new("a", "m").context(budget), &registry).unwrap();
         let tooled = Agent::new(
@@ -284,6 +301,7 @@ mod tests {
             .context(ContextBudget {
                 max_tokens: 400,
                 max_tool_output_bytes: 64,
+                read_output: true,
             });
         let agent = Agent::new(spec, &Arc::new(Registry::new())).unwrap();
         let mut run = RunState::new(

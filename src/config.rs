@@ -709,12 +709,17 @@ pub struct AgentConfig {
     /// older turns to fit).
     #[serde(default = "default_context_tokens")]
     pub context_tokens: usize,
-    /// A tool output longer than this is cut in the request (in full in the event log).
+    /// A tool output longer than this is cut in the request; the model reads the rest with
+    /// `read_output` (the full output stays in the run's stored transcript).
     #[serde(default = "default_context_tool_output_bytes")]
     pub context_tool_output_bytes: usize,
     /// Offer the model the `ask_user` pseudo-tool (the run waits for the user's input).
     #[serde(default = "default_ask_user")]
     pub ask_user: bool,
+    /// Offer the model the runtime's `read_output` tool (pages of an earlier, truncated tool
+    /// output of the same run).
+    #[serde(default = "default_ask_user")]
+    pub read_output: bool,
 }
 
 fn default_ask_user() -> bool {
@@ -752,6 +757,7 @@ impl AgentConfig {
             context_tokens: default_context_tokens(),
             context_tool_output_bytes: default_context_tool_output_bytes(),
             ask_user: default_ask_user(),
+            read_output: default_ask_user(),
         }
     }
 }
@@ -1312,8 +1318,10 @@ impl Config {
             if !valid_name(name) {
                 return Err(invalid(key, "a tool name must match ^[a-zA-Z0-9_-]{1,64}$"));
             }
-            if name == crate::run::decision::ASK_USER_TOOL {
-                return Err(invalid(key, "the name `ask_user` is reserved"));
+            if name == crate::run::decision::ASK_USER_TOOL
+                || name == crate::run::read_output::READ_OUTPUT_TOOL
+            {
+                return Err(invalid(key, format!("the name `{name}` is reserved")));
             }
             let need_url = |u: &Option<String>, k: &str| -> Result<(), Error> {
                 match u {

@@ -96,6 +96,9 @@ pub struct ContextBudget {
     pub max_tokens: usize,
     /// A tool output longer than this many bytes is cut (on a char boundary) with a pointer.
     pub max_tool_output_bytes: usize,
+    /// Whether the model has the `read_output` tool: the pointer of a cut output then says how
+    /// to read the rest with it.
+    pub read_output: bool,
 }
 
 impl Default for ContextBudget {
@@ -103,6 +106,7 @@ impl Default for ContextBudget {
         ContextBudget {
             max_tokens: 32_000,
             max_tool_output_bytes: 8 * 1024,
+            read_output: true,
         }
     }
 }
@@ -161,16 +165,25 @@ fn group_units(history: &[Message]) -> Vec<Unit> {
     units
 }
 
-/// A tool message with long content cut to `max_bytes` and a pointer appended.
-fn cut_tool_output(message: &Message, max_bytes: usize, reference: &str) -> (Message, bool) {
+/// A tool message with long content cut to `max_bytes` and a pointer appended: how to read
+/// the rest with `read_output` when the model has it, else where the full output is kept.
+fn cut_tool_output(message: &Message, max_bytes: usize, read_output: bool) -> (Message, bool) {
     match message {
         Message::Tool { call_id, content } if content.len() > max_bytes => {
             let mut cut = max_bytes;
             while cut > 0 && !content.is_char_boundary(cut) {
                 cut -= 1;
             }
+            let pointer = if read_output {
+                format!(
+                    "read the rest with read_output {{\"call_id\":{},\"offset\":{cut}}}",
+                    serde_json::Value::from(call_id.as_str())
+                )
+            } else {
+                format!("full output of call {call_id} in the run's stored transcript")
+            };
             let content = format!(
-                "{}… [output truncated: {} of {} bytes shown; full output of call {call_id} in the event log{reference}]",
+                "{}… [output truncated: {} of {} bytes shown; {pointer}]",
                 &content[..cut],
                 cut,
                 content.len()
@@ -184,13 +197,6 @@ fn cut_tool_output(message: &Message, max_bytes: usize, reference: &str) -> (Mes
             )
         }
         other => (other.clone(), false),
-    }
-}
-
-fn reference(seqs: Option<&[u64]>, index: usize) -> String {
-    match seqs.and_then(|s| s.get(index)) {
-        Some(seq) => format!(" at seq {seq}"),
-        None => String::new(),
     }
 }
 
@@ -247,7 +253,7 @@ fn condensed_note(
         .filter(|m| matches!(m, Message::User { .. }))
         .count();
     let mut note = format!(
-        "[context note] {} earlier messages were condensed to fit the context ({}); their full text is in the run's event log.",
+        "[context note] {} earlier messages were condensed to fit the context ({}); their full text is in the run's stored transcript.",
         slice.len(),
         range_reference(seqs, range)
     );
@@ -319,12 +325,27 @@ pub fn build_context_detailed(input: &ContextInput<'_>, budget: &ContextBudget) 
             break;
         }
         let mut cuts = 0;
+        // A page read with `read_output` is already bounded, and cutting it would lose what
+        // the model asked for: it goes whole.
+        let pages: HashSet<&str> = match &history[unit.start] {
+            Message::Assistant { tool_calls, .. } => tool_calls
+                .iter()
+                .filter(|c| c.name == crate::run::read_output::READ_OUTPUT_TOOL)
+                .map(|c| c.id.as_str())
+                .collect(),
+            _ => HashSet::new(),
+        };
         let rendered: Vec<Message> = (unit.start..unit.end)
             .map(|i| {
+                if let Message::Tool { call_id, .. } = &history[i]
+                    && pages.contains(call_id.as_str())
+                {
+                    return history[i].clone();
+                }
                 let (m, cut) = cut_tool_output(
                     &history[i],
                     budget.max_tool_output_bytes,
-                    &reference(seqs, i),
+                    budget.read_output,
                 );
                 cuts += usize::from(cut);
                 m
@@ -463,7 +484,7 @@ mod tests {
                 expected: vec![
                     "system: rules",
                     "user: goal",
-                    "user: [context note] 3 earlier messages were condensed to fit the context (history messages 0–2); their full text is in the run's event log. Tool calls made: t_a (ok), t_b (error).",
+                    "user: [context note] 3 earlier messages were condensed to fit the context (history messages 0–2); their full text is in the run's stored transcript. Tool calls made: t_a (ok), t_b (error).",
                     "assistant: recent []",
                     "user: Pending obligations (still to be met before finishing):\n- answer the operator",
                 ],
@@ -477,7 +498,7 @@ mod tests {
                 expected: vec![
                     "system: rules",
                     "user: goal",
-                    "user: [context note] 1 earlier messages were condensed to fit the context (history messages 0–0); their full text is in the run's event log. 1 assistant replies.",
+                    "user: [context note] 1 earlier messages were condensed to fit the context (history messages 0–0); their full text is in the run's stored transcript. 1 assistant replies.",
                     "assistant: - [\"a\"]",
                     "tool a: {\"ok\":true}",
                 ],
@@ -492,7 +513,7 @@ mod tests {
                     "system: rules",
                     "user: goal",
                     "assistant: - [\"a\"]",
-                    "tool a: 0123456789… [output truncated: 10 of 16 bytes shown; full output of call a in the event log]",
+                    "tool a: 0123456789… [output truncated: 10 of 16 bytes shown; full output of call a in the run's stored transcript]",
                 ],
             },
             Case {
@@ -510,7 +531,7 @@ mod tests {
                 expected: vec![
                     "system: rules",
                     "user: goal",
-                    "user: [context note] 2 earlier messages were condensed to fit the context (history messages 0–1); their full text is in the run's event log.",
+                    "user: [context note] 2 earlier messages were condensed to fit the context (history messages 0–1); their full text is in the run's stored transcript.",
                     "assistant: ok []",
                 ],
             },
@@ -529,7 +550,7 @@ mod tests {
                 expected: vec![
                     "system: rules",
                     "user: goal",
-                    "user: [context note] 4 earlier messages were condensed to fit the context (history messages 0–3); their full text is in the run's event log. Tool calls made: t_a (ok), t_b (ok). 1 user/runtime notes.",
+                    "user: [context note] 4 earlier messages were condensed to fit the context (history messages 0–3); their full text is in the run's stored transcript. Tool calls made: t_a (ok), t_b (ok). 1 user/runtime notes.",
                     "assistant: end []",
                 ],
             },
@@ -545,10 +566,82 @@ mod tests {
             let budget = ContextBudget {
                 max_tokens: case.max_tokens,
                 max_tool_output_bytes: case.max_tool_output_bytes,
+                read_output: false,
             };
             let got = render(&build_context(&input, &budget));
             assert_eq!(got, case.expected, "case: {}", case.name);
         }
+    }
+
+    #[test]
+    fn a_cut_output_names_the_read_output_call_that_reads_on() {
+        let history = vec![
+            Message::Assistant {
+                content: None,
+                tool_calls: vec![ModelToolCall {
+                    id: "c\"7".into(),
+                    name: "fetch".into(),
+                    arguments: "{}".into(),
+                }],
+            },
+            Message::Tool {
+                call_id: "c\"7".into(),
+                content: "é".repeat(100),
+            },
+        ];
+        let input = ContextInput {
+            instructions: "",
+            goal: "goal",
+            obligations: &[],
+            history: &history,
+            seqs: None,
+        };
+        let budget = ContextBudget {
+            max_tokens: 10_000,
+            max_tool_output_bytes: 11,
+            read_output: true,
+        };
+        let built = build_context_detailed(&input, &budget);
+        assert_eq!(built.truncated_outputs, 1);
+        let Some(Message::Tool { content, .. }) = built.messages.last() else {
+            panic!("{:?}", built.messages);
+        };
+        // Cut on a char boundary (10 bytes: five `é`), and the pointer is valid JSON arguments.
+        let pointer = r#"read_output {"call_id":"c\"7","offset":10}"#;
+        assert!(content.starts_with(&"é".repeat(5)), "{content}");
+        assert!(content.contains(pointer), "{content}");
+        let args = content
+            .split("read_output ")
+            .nth(1)
+            .unwrap()
+            .trim_end_matches(']');
+        let args: serde_json::Value = serde_json::from_str(args).unwrap();
+        assert_eq!(args["offset"], 10);
+
+        // The page that answers it is not cut again.
+        let mut history = history.clone();
+        history.push(Message::Assistant {
+            content: None,
+            tool_calls: vec![ModelToolCall {
+                id: "p1".into(),
+                name: "read_output".into(),
+                arguments: r#"{"call_id":"c\"7","offset":10}"#.into(),
+            }],
+        });
+        let page = "x".repeat(500);
+        history.push(Message::Tool {
+            call_id: "p1".into(),
+            content: page.clone(),
+        });
+        let input = ContextInput {
+            history: &history,
+            ..input
+        };
+        let built = build_context_detailed(&input, &budget);
+        assert_eq!(built.truncated_outputs, 1, "only the first output is cut");
+        assert!(
+            matches!(built.messages.last(), Some(Message::Tool { content, .. }) if *content == page)
+        );
     }
 
     #[test]
@@ -565,6 +658,7 @@ mod tests {
         let budget = ContextBudget {
             max_tokens: 50,
             max_tool_output_bytes: 100,
+            read_output: false,
         };
         let built = build_context_detailed(&input, &budget);
         assert_eq!(built.condensed, Some(0..2));
@@ -631,7 +725,7 @@ mod tests {
                 history: &history,
                 seqs: None,
             };
-            let budget = ContextBudget { max_tokens, max_tool_output_bytes: max_out };
+            let budget = ContextBudget { max_tokens, max_tool_output_bytes: max_out, read_output: false };
             let out = build_context(&input, &budget);
 
             // Exactly one system message, first, equal to the instructions.

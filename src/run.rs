@@ -7,6 +7,7 @@ pub mod format;
 pub mod guard;
 pub mod machine;
 pub mod progress;
+pub mod read_output;
 pub mod state;
 pub mod verify;
 

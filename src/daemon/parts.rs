@@ -542,8 +542,10 @@ pub async fn build_parts(
             .context(ContextBudget {
                 max_tokens: fit_context(a.context_tokens, config.models.get(&a.model)),
                 max_tool_output_bytes: a.context_tool_output_bytes,
+                read_output: a.read_output,
             })
-            .ask_user(a.ask_user);
+            .ask_user(a.ask_user)
+            .read_output(a.read_output);
         if let Some(d) = a.deadline {
             spec = spec.deadline(d);
         }

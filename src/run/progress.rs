@@ -67,10 +67,11 @@ pub struct CallOutcome {
 /// Tracker state, kept in the run's checkpoint.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Progress {
-    /// (fingerprint, times seen), in first-seen order.
+    /// (fingerprint, times seen), least recently seen first; at most
+    /// [`MAX_TRACKED_FINGERPRINTS`].
     pub seen: Vec<(u64, u32)>,
-    /// (result fingerprint, times seen), in first-seen order. Absent in checkpoints written
-    /// before results were tracked.
+    /// (result fingerprint, times seen), least recently seen first; at most
+    /// [`MAX_TRACKED_FINGERPRINTS`]. Absent in checkpoints written before results were tracked.
     #[serde(default)]
     pub results_seen: Vec<(u64, u32)>,
     pub failure_streak: u32,
@@ -137,18 +138,23 @@ impl Progress {
     }
 }
 
-/// Counts one more sighting of `fingerprint`; returns the count.
+/// Fingerprints remembered per list. The checkpoint is rewritten at every commit, so what it
+/// holds must not grow with the run: a repeat is detected among the last this many distinct
+/// calls (and results), which is far more than a model's repeating loop spans.
+pub const MAX_TRACKED_FINGERPRINTS: usize = 64;
+
+/// Counts one more sighting of `fingerprint` and moves it to the most recent end; returns the
+/// count. A new fingerprint beyond [`MAX_TRACKED_FINGERPRINTS`] evicts the least recently seen.
 fn bump(seen: &mut Vec<(u64, u32)>, fingerprint: u64) -> u32 {
-    match seen.iter_mut().find(|(f, _)| *f == fingerprint) {
-        Some((_, n)) => {
-            *n += 1;
-            *n
-        }
-        None => {
-            seen.push((fingerprint, 1));
-            1
-        }
+    let count = match seen.iter().position(|(f, _)| *f == fingerprint) {
+        Some(i) => seen.remove(i).1 + 1,
+        None => 1,
+    };
+    seen.push((fingerprint, count));
+    if seen.len() > MAX_TRACKED_FINGERPRINTS {
+        seen.remove(0);
     }
+    count
 }
 
 #[cfg(test)]
@@ -285,6 +291,25 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(t.record_turn(&[poll], &p), Verdict::Continue);
         }
+    }
+
+    #[test]
+    fn tracked_fingerprints_stay_bounded_and_recent_repeats_still_count() {
+        let policy = ProgressPolicy::default();
+        let mut t = Progress::default();
+        // A repeated call kept recent by being made again between many new ones.
+        for i in 0..1_000u64 {
+            t.record_turn(&[call(10_000 + i, true)], &policy);
+            assert!(t.seen.len() <= MAX_TRACKED_FINGERPRINTS);
+            assert!(t.results_seen.len() <= MAX_TRACKED_FINGERPRINTS);
+        }
+        assert_eq!(t.seen.len(), MAX_TRACKED_FINGERPRINTS);
+        // The newest are the ones kept.
+        assert_eq!(t.seen.last(), Some(&(10_999, 1)));
+        assert_eq!(t.seen.first(), Some(&(10_000 + 1_000 - 64, 1)));
+        // A repeat within the window is still counted.
+        assert_eq!(bump(&mut t.seen, 10_990), 2);
+        assert_eq!(t.seen.last(), Some(&(10_990, 2)));
     }
 
     #[test]

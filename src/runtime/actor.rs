@@ -1175,6 +1175,16 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 return;
             };
             let me = myself.clone();
+            if call.tool == crate::run::read_output::READ_OUTPUT_TOOL && !status_check {
+                // Runtime-provided: a page of the run's own transcript, answered here.
+                let result = crate::run::read_output::read(&run.messages, &run.id, &call.arguments);
+                let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
+                    epoch,
+                    call_id,
+                    result,
+                }));
+                return;
+            }
             let Some(tool) = live.agent.tools.tool(&call.tool) else {
                 // Config changed since the call was validated: answer it without running it.
                 let result = ToolResult::failure(ToolError::new(

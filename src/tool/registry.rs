@@ -11,6 +11,7 @@ use super::{Tool, ToolSpec};
 use crate::model::ToolDefinition;
 use crate::run::decision::ASK_USER_TOOL;
 use crate::run::machine::{ArgumentError, ToolCatalog, ToolInfo, ToolLookup};
+use crate::run::read_output::READ_OUTPUT_TOOL;
 
 /// A tool and its compiled schema.
 pub struct RegisteredTool {
@@ -65,7 +66,7 @@ impl Registry {
         if !valid_name(&name) {
             return Err(Error::BadName(name));
         }
-        if name == ASK_USER_TOOL {
+        if name == ASK_USER_TOOL || name == READ_OUTPUT_TOOL {
             return Err(Error::Reserved(name));
         }
         if self.tools.contains_key(&name) {
@@ -126,6 +127,17 @@ pub struct AgentTools {
     allowed: Arc<[String]>,
     /// Whether `ask_user` is offered (per agent; default on).
     ask_user: bool,
+    /// Whether the runtime's `read_output` tool is offered (per agent; default on).
+    read_output: bool,
+}
+
+/// The compiled schema of `read_output`'s arguments.
+fn read_output_validator() -> &'static jsonschema::Validator {
+    static V: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        jsonschema::draft202012::new(&crate::run::read_output::parameters())
+            .expect("read_output's schema compiles")
+    })
 }
 
 impl AgentTools {
@@ -134,7 +146,19 @@ impl AgentTools {
             registry,
             allowed,
             ask_user: true,
+            read_output: true,
         }
+    }
+
+    /// Offers the runtime's `read_output` tool or not.
+    pub fn with_read_output(mut self, offered: bool) -> Self {
+        self.read_output = offered;
+        self
+    }
+
+    /// Whether `read_output` is offered.
+    pub fn offers_read_output(&self) -> bool {
+        self.read_output
     }
 
     /// Offers `ask_user` or not.
@@ -169,6 +193,9 @@ impl AgentTools {
         if self.ask_user {
             defs.push(ask_user_definition());
         }
+        if self.read_output {
+            defs.push(crate::run::read_output::definition());
+        }
         defs
     }
 
@@ -202,6 +229,14 @@ impl ToolCatalog for AgentTools {
     }
 
     fn lookup(&self, name: &str) -> ToolLookup {
+        if name == READ_OUTPUT_TOOL && self.read_output {
+            // Runtime-provided: it reads the run's own transcript and changes nothing.
+            return ToolLookup::Allowed(ToolInfo {
+                effect: crate::tool::ToolEffect::Read,
+                polling: false,
+                reconcilable: false,
+            });
+        }
         match self.allowed_spec(name) {
             Some(s) => ToolLookup::Allowed(ToolInfo {
                 effect: s.effect,
@@ -214,6 +249,14 @@ impl ToolCatalog for AgentTools {
     }
 
     fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError> {
+        if name == READ_OUTPUT_TOOL && self.read_output {
+            return read_output_validator()
+                .validate(arguments)
+                .map_err(|e| ArgumentError {
+                    path: e.instance_path().to_string(),
+                    message: e.to_string(),
+                });
+        }
         self.registry.validate(name, arguments)
     }
 

@@ -60,6 +60,8 @@ mod partition;
 /// Scopes × tools × routes, approver roles, agents per tenant, injection against guards,
 /// result projection, whom tools act for.
 mod permissions;
+/// `read_output`: a cut tool output read back whole in pages; other runs' references refused.
+mod read_output;
 /// A run against a real small model, when `AGENTD_REAL_MODEL_URL` is set (else skipped).
 mod real_model;
 /// Store-test helpers: builders, Redis namespaces, a private redis-server.

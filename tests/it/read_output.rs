@@ -1,0 +1,190 @@
+//! The runtime's `read_output` tool (issue 9): a tool output the context cuts names the call
+//! that reads on, and the model reads the whole stored output back in bounded pages; a
+//! reference of another run is refused and reads nothing. Through the daemon's HTTP API, with
+//! the real OpenAI-compatible provider against `FakeOpenAi` and an HTTP tool against the
+//! recording `ToolServer`.
+
+use agentd::config::Config;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::daemon_support::{ALPHA, TestDaemon};
+use crate::fakes::{FakeOpenAi, Scripted, ToolBehavior, ToolServer};
+
+fn config(model: &FakeOpenAi, tools: &ToolServer) -> Config {
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_timeout = "5s"
+
+[store]
+url = "memory:"
+
+[[tenants]]
+id = "alpha"
+tokens = ["{ALPHA}"]
+
+[models.fake]
+kind = "openai"
+base_url = "{model_url}"
+model = "fake-model"
+timeout = "2s"
+
+[tools.report]
+kind = "http"
+url = "{tool_url}"
+description = "Fetch the report"
+parameters = {{ type = "object", properties = {{}} }}
+effect = "read"
+timeout = "2s"
+
+[agents.reader]
+model = "fake"
+instructions = "Read the report."
+tools = ["report"]
+max_turns = 12
+context_tool_output_bytes = 8192
+"#,
+        model_url = model.url(),
+        tool_url = tools.tool_url(),
+    );
+    Config::from_toml(&text).unwrap()
+}
+
+/// The JSON of the tool messages (role `tool`) of a recorded model request, with their ids.
+fn tool_messages(body: &Value) -> Vec<(String, String)> {
+    body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap_or_default().to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_cut_output_is_read_back_whole_in_pages_and_other_runs_are_refused() {
+    let model = FakeOpenAi::start().await;
+    let tools = ToolServer::start().await;
+    // A 40,000-byte text: its envelope is cut at 8 KiB in the request.
+    let report: String = (0..40_000u32)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    tools.push(ToolBehavior::ApplyWith(
+        json!({ "report": report }).to_string(),
+    ));
+    let page =
+        |offset: u64| json!({"call_id": "r1", "offset": offset, "max_bytes": 16384}).to_string();
+    model.push(Scripted::tool_calls(&[("r1", "report", "{}")]));
+    for (i, offset) in [0u64, 16384, 32768].into_iter().enumerate() {
+        model.push(Scripted::tool_calls(&[(
+            &format!("p{i}"),
+            "read_output",
+            &page(offset),
+        )]));
+    }
+    let other_run = json!({"call_id": "r1", "run_id": "run_0193a1b2c3d4e5f60718293a4b5c6d7e"});
+    model.push(Scripted::tool_calls(&[(
+        "x1",
+        "read_output",
+        &other_run.to_string(),
+    )]));
+    let unknown_call = json!({"call_id": "c_of_another_run"});
+    model.push(Scripted::tool_calls(&[(
+        "x2",
+        "read_output",
+        &unknown_call.to_string(),
+    )]));
+    model.push(Scripted::text("I read the whole report."));
+
+    let d = TestDaemon::start_config(config(&model, &tools)).await;
+    let id = d.create(ALPHA, "reader").await;
+    let run = d.wait_status(ALPHA, &id, "succeeded").await;
+    assert_eq!(run["output"], "I read the whole report.", "{run}");
+    assert_eq!(
+        tools.total_executions(),
+        1,
+        "the tool ran once; pages never call it"
+    );
+
+    // The stored output, as the transcript endpoint serves it.
+    let (s, v) = d
+        .get(&format!("/v1/runs/{id}/messages?limit=100"), ALPHA)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let stored = v["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "tool" && m["tool_call_id"] == "r1")
+        .and_then(|m| m["content"].as_str())
+        .expect("the stored output of r1")
+        .to_owned();
+    assert!(stored.len() > 40_000, "{}", stored.len());
+
+    let requests = model.requests();
+    // The request after the tool ran shows the cut output and how to read on.
+    let second = tool_messages(&requests[1].body);
+    let (_, cut) = &second[0];
+    assert!(cut.len() < 9_000, "{} bytes sent", cut.len());
+    let pointer = r#"read the rest with read_output {"call_id":"r1","offset":8192}"#;
+    assert!(
+        cut.contains(pointer),
+        "{}",
+        &cut[cut.len().saturating_sub(200)..]
+    );
+
+    // The pages, as the model received them, rejoin to the stored output exactly.
+    let last = tool_messages(&requests.last().unwrap().body);
+    let result = |id: &str| -> Value {
+        let (_, content) = last.iter().find(|(c, _)| c == id).unwrap();
+        serde_json::from_str(content).unwrap()
+    };
+    let mut joined = String::new();
+    let total = result("p0")["data"]["total_bytes"].as_u64().unwrap();
+    assert!(total > 40_000 && total == stored.len() as u64, "{total}");
+    for (i, offset) in [0u64, 16384, 32768].into_iter().enumerate() {
+        let r = result(&format!("p{i}"));
+        assert_eq!(r["ok"], true, "{}", r["error"]);
+        assert_eq!(r["data"]["offset"], offset);
+        assert_eq!(r["data"]["total_bytes"], total);
+        assert!(r["data"]["bytes"].as_u64().unwrap() <= 16384);
+        joined.push_str(r["data"]["text"].as_str().unwrap());
+        let next = &r["data"]["next_offset"];
+        if i < 2 {
+            assert_eq!(next, &json!(offset + 16384));
+        } else {
+            assert!(next.is_null(), "{next}");
+        }
+    }
+    // The transcript endpoint serves a result envelope re-encoded (as parsed JSON, redacted):
+    // the pages rejoin to the same value.
+    let joined: Value = serde_json::from_str(&joined).expect("the pages rejoin to JSON");
+    let stored: Value = serde_json::from_str(&stored).unwrap();
+    assert!(joined == stored, "the pages rejoin to the stored output");
+    assert_eq!(
+        joined["data"]["report"].as_str().map(str::len),
+        Some(40_000)
+    );
+
+    // A reference of another run is refused; so is a call this run never made.
+    let refused = result("x1");
+    assert_eq!(refused["ok"], false);
+    assert_eq!(refused["error"]["code"], "permission_denied", "{refused}");
+    let unknown = result("x2");
+    assert_eq!(unknown["ok"], false);
+    assert!(
+        unknown["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no output of call"),
+        "{unknown}"
+    );
+    d.stop().await;
+}
