@@ -47,12 +47,20 @@ pub struct RuntimeConfig {
     pub node_id: String,
     /// Runs this node keeps live at once; beyond that, new runs wait for any node with room.
     pub max_live_runs: usize,
+    /// How the shared model pool calls providers (workers, queue, timeouts, retries).
     pub gateway: GatewayConfig,
+    /// Workers and queue bound of the shared tool pool.
     pub tool_pool: PoolSize,
+    /// Calls per second allowed for each named tool; a tool not named is unlimited.
     pub per_tool_rps: HashMap<String, NonZeroU32>,
+    /// Rate limits per configured model name; a model not named is unlimited.
     pub model_limits: HashMap<String, ModelLimits>,
+    /// How often a crashing run actor is restarted before the run fails `crash_loop`.
     pub restart: RestartPolicy,
+    /// Bounds every run's machine enforces besides its budget.
     pub policy: Policy,
+    /// How long a run's lease (and this node's registration) lasts unrenewed; a run whose
+    /// lease lapsed is taken over by another node.
     pub lease_ttl: Duration,
     /// How long a control request waits for the run to apply it.
     pub control_timeout: Duration,
@@ -98,10 +106,15 @@ impl Default for RuntimeConfig {
 
 /// What the runtime runs: the store, tools, model providers and agents.
 pub struct RuntimeParts {
+    /// Where checkpoints, events, leases and inboxes live.
     pub store: SharedStore,
+    /// Every tool the agents may use.
     pub registry: Registry,
+    /// Model providers by configured name (the `model` of an agent).
     pub models: HashMap<String, Arc<dyn ModelProvider>>,
+    /// The agents runs can be started for; each must name a provider of `models`.
     pub agents: Vec<AgentSpec>,
+    /// Deliberate faults for chaos and supervision tests; `None` in production.
     pub faults: Option<Arc<dyn FaultInjector>>,
     /// Scrubs secrets from every event before it is committed and from tool results before
     /// they enter the run (`None`: nothing is redacted).
@@ -111,32 +124,58 @@ pub struct RuntimeParts {
 /// Runtime failures, each with a stable code.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Error {
+    /// No such run for this tenant (`not_found`).
     #[error("run not found")]
     NotFound,
+    /// No agent of this name is configured (`unknown_agent`): the name.
     #[error("agent `{0}` is not configured")]
     UnknownAgent(String),
+    /// The request does not fit the run's state (`invalid_state`), e.g. it has ended or the
+    /// call was already decided.
     #[error("run is {status}: {message}")]
-    InvalidState { status: Status, message: String },
+    InvalidState {
+        /// The run's status when the request was refused.
+        status: Status,
+        /// What did not fit.
+        message: String,
+    },
+    /// No call of that id in the run's current batch (`not_found`): why.
     #[error("{0}")]
     UnknownCall(String),
+    /// A request value is refused (`invalid_argument`), e.g. edited arguments or an input too
+    /// large: why.
     #[error("{0}")]
     InvalidArgument(String),
+    /// The run already holds `Policy::max_queued_input` inputs (`input_queue_full`): why.
     #[error("{0}")]
     InputQueueFull(String),
+    /// The run's inbox holds `MAX_PENDING_CONTROLS` controls not yet applied (`inbox_full`):
+    /// how many.
     #[error("the run has {0} controls not yet applied, the most allowed; retry once it catches up")]
     InboxFull(usize),
+    /// The tenant has `max_active_runs_per_tenant` non-terminal runs (`too_many_active_runs`):
+    /// the limit.
     #[error("tenant has {0} active runs, the most allowed")]
     TooManyActiveRuns(usize),
+    /// The store failed or holds a record that does not decode (`store_unavailable`).
     #[error("the store is unavailable: {0}")]
     Store(store::Error),
+    /// The runtime's actors are stopping (`shutting_down`).
     #[error("the runtime is shutting down")]
     ShuttingDown,
+    /// A wait (`wait_until`, `wait_terminal`) ran out (`timeout`).
     #[error("the run did not reach the awaited state in time")]
     Timeout,
+    /// The store's epoch marker changed since start: it lost its data (`store_reset`).
     #[error(
         "the store lost its data (its epoch changed from {was:?} to {now:?}); runs are not restarted from scratch"
     )]
-    StoreReset { was: String, now: String },
+    StoreReset {
+        /// The marker seen at start.
+        was: String,
+        /// The marker the store holds now.
+        now: String,
+    },
 }
 
 impl Error {
@@ -206,22 +245,30 @@ fn control_outcome(run: RunState, seq: u64) -> Result<RunState, Error> {
 /// Budget fields a client may set on a new run (each capped by nothing but itself).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BudgetRequest {
+    /// Model calls allowed; `None`: the agent's.
     pub max_turns: Option<u32>,
+    /// Tool calls allowed; `None`: the agent's.
     pub max_tool_calls: Option<u32>,
+    /// Input plus output tokens allowed; `None`: the agent's.
     pub max_tokens: Option<u64>,
+    /// Wall-clock limit from creation; `None`: the agent's deadline, if it has one.
     pub deadline: Option<Duration>,
 }
 
 /// A request to start a run.
 #[derive(Debug, Clone)]
 pub struct NewRun {
+    /// The tenant that owns the run.
     pub tenant: String,
+    /// The configured agent to run.
     pub agent: String,
     /// The goal: text or any JSON value.
     pub input: Value,
     /// The same key from the same tenant returns the same run.
     pub client_key: Option<String>,
+    /// Budget overrides; unset fields take the agent's.
     pub budget: BudgetRequest,
+    /// The caller's JSON kept with the run and returned with it; `null`: none.
     pub metadata: Value,
     /// The scopes of the creating token, kept with the run; `None`: every scope.
     pub scopes: Option<Vec<String>>,
@@ -268,11 +315,17 @@ impl AwaitingReason {
 /// One call waiting for an operator, as the approvals inbox lists it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AwaitingCall {
+    /// The run the call belongs to.
     pub run_id: RunId,
+    /// The run's agent.
     pub agent: String,
+    /// The call, as decisions name it.
     pub call_id: CallId,
+    /// The tool called.
     pub tool: String,
+    /// The arguments the call would run with.
     pub arguments: Value,
+    /// Why it waits.
     pub reason: AwaitingReason,
     /// When the call began waiting.
     pub requested_at_ms: u64,
@@ -292,8 +345,11 @@ pub struct AwaitingCalls {
 /// An agent as listed by `GET /v1/agents`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentInfo {
+    /// The agent's configured name.
     pub name: String,
+    /// The configured model it calls.
     pub model: String,
+    /// The tools offered to its model, `ask_user` included when on.
     pub tools: Vec<ToolDefinition>,
 }
 
@@ -333,14 +389,24 @@ pub struct Runtime {
 /// Why the runtime could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// An agent is invalid (its name, or a tool it names is not registered).
     #[error(transparent)]
     Agent(#[from] agent::Error),
+    /// An agent names a model that has no provider.
     #[error("agent `{agent}` uses model `{model}`, which is not configured")]
-    UnknownModel { agent: String, model: String },
+    UnknownModel {
+        /// The agent's name.
+        agent: String,
+        /// The model it names.
+        model: String,
+    },
+    /// An actor (a pool or the run supervisor) could not be spawned.
     #[error("could not start an actor: {0}")]
     Spawn(#[from] ractor::SpawnErr),
+    /// The store failed at start (registering the node, its epoch, the runs to recover).
     #[error("could not read runs to recover: {0}")]
     Store(#[from] store::Error),
+    /// Another live process holds this node id: the id.
     #[error(
         "node id {0:?} is held by another live process (runtime.node_id must be unique per process)"
     )]
@@ -459,6 +525,7 @@ impl Runtime {
         })
     }
 
+    /// A handle to start, observe and control runs (cheap to clone).
     pub fn handle(&self) -> RuntimeHandle {
         self.handle.clone()
     }
@@ -970,6 +1037,8 @@ impl RuntimeHandle {
         }
     }
 
+    /// Cancels the run. Cancelling a cancelled run answers the same; cancelling one that
+    /// ended otherwise is `InvalidState`.
     pub async fn cancel(
         &self,
         tenant: &str,
@@ -1240,6 +1309,7 @@ impl RuntimeHandle {
         }
     }
 
+    /// The runtime's metrics, shared with `/metrics` and telemetry.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.deps.metrics
     }

@@ -46,10 +46,14 @@ pub enum ToolEffect {
 )]
 #[serde(rename_all = "snake_case")]
 pub enum RiskLevel {
+    /// The lowest level.
     Low,
+    /// The default.
     #[default]
     Medium,
+    /// Above `medium`.
     High,
+    /// The highest level (what `ApprovalRule::requires` assumes of an unknown tool).
     Critical,
 }
 
@@ -63,21 +67,29 @@ pub enum RiskLevel {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalRule {
+    /// No call needs approval.
     Never,
+    /// Every call needs approval.
     Always,
     /// Approval when the tool's declared `risk` is at least `at_least`.
     ByRisk {
+        /// The lowest risk that needs approval.
         at_least: RiskLevel,
     },
     /// Approval when the argument at the JSON Pointer `pointer` is present and satisfies every
     /// condition given (`equals`, `one_of`, `matches` — a regular expression tested against a
     /// string argument). With no condition, presence alone requires approval.
     WhenArgument {
+        /// Where the argument is (`""`: the whole arguments object).
         pointer: String,
+        /// Met by a value equal to this one.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         equals: Option<Value>,
+        /// Met by a value equal to one of these.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         one_of: Option<Vec<Value>>,
+        /// Met by a string this regular expression matches anywhere; a pattern that does not
+        /// compile is met by every value (fail closed).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         matches: Option<String>,
     },
@@ -117,17 +129,22 @@ pub const DEFAULT_MAX_FAILURES: u32 = 3;
 pub struct ToolSpec {
     /// Unique name, `^[a-zA-Z0-9_-]{1,64}$`.
     pub name: String,
+    /// What the tool does, as offered to the model.
     pub description: String,
     /// JSON Schema of the arguments (draft 2020-12).
     pub parameters: Value,
+    /// What a call does to the world: decides retries and crash recovery.
     pub effect: ToolEffect,
     /// Declared harm potential (default `medium`); `ApprovalRule::ByRisk` keys on it.
     pub risk: RiskLevel,
+    /// When a call needs an operator's approval before it runs.
     pub approval: ApprovalRule,
     /// How long a call of this tool waits for an operator's decision; `None` = forever.
     pub approval_timeout: Option<Duration>,
     /// The decision taken when `approval_timeout` passes.
     pub on_approval_timeout: ApprovalTimeoutAction,
+    /// Bound of one attempt (also of one status check or poll); a slower attempt fails
+    /// `timeout`.
     pub timeout: Duration,
     /// Serialized output larger than this is cut and marked `truncated`.
     pub max_output_bytes: usize,
@@ -149,6 +166,7 @@ pub struct ToolSpec {
     /// The first wait before polling an accepted call's status URL; later waits grow (with
     /// jitter) up to `poll_max_interval`.
     pub poll_interval: Duration,
+    /// The longest wait between two polls of an accepted call.
     pub poll_max_interval: Duration,
     /// Calls of this tool (after the executor's retries) failing in a row in one run before
     /// the run waits for an operator with reason `tool_failing`; 0 = never (the model hears of
@@ -197,16 +215,19 @@ impl ToolSpec {
         self.task_timeout.unwrap_or(self.timeout)
     }
 
+    /// Declares the tool's effect.
     pub fn effect(mut self, effect: ToolEffect) -> Self {
         self.effect = effect;
         self
     }
 
+    /// Declares the tool's risk.
     pub fn risk(mut self, risk: RiskLevel) -> Self {
         self.risk = risk;
         self
     }
 
+    /// Sets when calls need approval.
     pub fn approval(mut self, approval: ApprovalRule) -> Self {
         self.approval = approval;
         self
@@ -219,26 +240,31 @@ impl ToolSpec {
         self
     }
 
+    /// Sets the bound of one attempt.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
+    /// Sets the output cap, in bytes of serialized result data.
     pub fn max_output_bytes(mut self, n: usize) -> Self {
         self.max_output_bytes = n;
         self
     }
 
+    /// Marks the tool as a polling tool (repeats are not counted as no progress).
     pub fn polling(mut self, polling: bool) -> Self {
         self.polling = polling;
         self
     }
 
+    /// Sets the tool's permissions, argument rules and result projection.
     pub fn guard(mut self, guard: Guard) -> Self {
         self.guard = Arc::new(guard);
         self
     }
 
+    /// Sets the attempts of one call, clamped to 1..=`MAX_CALL_ATTEMPTS`.
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = n.clamp(1, MAX_CALL_ATTEMPTS);
         self
@@ -250,6 +276,7 @@ impl ToolSpec {
         self
     }
 
+    /// Sets what a 401/403 answer does to the run.
     pub fn on_permission_error(mut self, action: OnPermissionError) -> Self {
         self.on_permission_error = action;
         self
@@ -336,7 +363,9 @@ pub struct ToolContext {
     /// The tenant the call acts for (sent to HTTP tools as `X-Agentd-Tenant`, to MCP servers in
     /// the request's `_meta`).
     pub tenant: String,
+    /// The run making the call.
     pub run_id: RunId,
+    /// The call's id in its run (`PendingCall::call_id`, or a compensation's).
     pub call_id: CallId,
     /// Server-derived; identical on every attempt of this logical call.
     pub idempotency_key: String,
@@ -365,6 +394,7 @@ pub struct Accepted {
 }
 
 impl LongRunning {
+    /// A call's long-running side with `callback` (`None`: no callback route), not accepted.
     pub fn new(callback: Option<callback::Callback>) -> Self {
         LongRunning {
             callback,
@@ -377,6 +407,7 @@ impl LongRunning {
         let _ = self.accepted.set(Accepted { status_url });
     }
 
+    /// The tool's note that it accepted the call; `None`: it did not (a plain result).
     pub fn accepted(&self) -> Option<&Accepted> {
         self.accepted.get()
     }
@@ -414,6 +445,7 @@ pub enum ToolErrorCode {
 }
 
 impl ToolErrorCode {
+    /// The snake_case name the model and the API see (`invalid_argument`, …).
     pub fn as_str(self) -> &'static str {
         match self {
             ToolErrorCode::InvalidArgument => "invalid_argument",
@@ -436,7 +468,9 @@ impl ToolErrorCode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{}: {message}", code.as_str())]
 pub struct ToolError {
+    /// The class of the failure (decides retries and what the run does).
     pub code: ToolErrorCode,
+    /// One short sentence for the model (redacted and cut before it leaves the executor).
     pub message: String,
     /// A tool-given minimum wait before another attempt (`Retry-After`); used by the
     /// executor's retries, never shown to the model.
@@ -445,6 +479,7 @@ pub struct ToolError {
 }
 
 impl ToolError {
+    /// An error of `code` with `message`, and no `Retry-After`.
     pub fn new(code: ToolErrorCode, message: impl Into<String>) -> Self {
         ToolError {
             code,
@@ -457,16 +492,21 @@ impl ToolError {
 /// The envelope a tool result travels in, to the model and into the event log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolResult {
+    /// The call succeeded: `data` is set and `error` is not.
     pub ok: bool,
+    /// The tool's output on success (a string prefix of it when `truncated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<Value>,
+    /// The failure, when `ok` is false.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ToolError>,
+    /// The output was longer than the tool's `max_output_bytes` and was cut.
     #[serde(default)]
     pub truncated: bool,
 }
 
 impl ToolResult {
+    /// A success carrying `data`.
     pub fn success(data: Value) -> Self {
         ToolResult {
             ok: true,
@@ -476,6 +516,7 @@ impl ToolResult {
         }
     }
 
+    /// A failure carrying `error`.
     pub fn failure(error: ToolError) -> Self {
         ToolResult {
             ok: false,
@@ -485,6 +526,7 @@ impl ToolResult {
         }
     }
 
+    /// The error's code; `None` for a success.
     pub fn error_code(&self) -> Option<ToolErrorCode> {
         self.error.as_ref().map(|e| e.code)
     }
@@ -542,6 +584,7 @@ impl ToolResult {
 /// A tool the runtime can call.
 #[async_trait]
 pub trait Tool: Send + Sync + 'static {
+    /// The tool's declared contract (name, schema, effect, policy).
     fn spec(&self) -> &ToolSpec;
 
     /// Runs the call. Arguments have already been validated against `spec().parameters`.

@@ -30,19 +30,25 @@ use crate::pool::{Pool, PoolJob, PoolSize, ReplyOnce};
 /// Limits shared by every run using one model.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelLimits {
+    /// Attempts per minute, spread evenly (burst of one second's share); `None`: no limit.
     pub requests_per_minute: Option<NonZeroU32>,
+    /// Tokens per minute, estimated before each attempt as a quarter of the request's JSON
+    /// bytes; `None`: no limit.
     pub tokens_per_minute: Option<NonZeroU32>,
 }
 
 /// How the gateway calls providers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GatewayConfig {
+    /// Workers (requests in flight at once) and the bound of the waiting queue.
     pub size: PoolSize,
     /// Per attempt.
     pub timeout: Duration,
     /// Attempts per request, the first included.
     pub max_attempts: u32,
+    /// Backoff before the first retry; doubled per attempt, jittered to 50–100 %.
     pub retry_base: Duration,
+    /// Cap of one backoff wait (a longer `Retry-After` still wins).
     pub retry_max: Duration,
     /// Retries stop once this much time has passed since the request's first failed attempt:
     /// long enough to ride out a provider restart, short enough that a dead provider fails
@@ -72,11 +78,17 @@ impl Default for GatewayConfig {
 /// Gateway counters for `/metrics` and the retry-amplification figure.
 #[derive(Debug, Default)]
 pub struct GatewayStats {
+    /// Requests a worker took up (one per turn), whatever their number of attempts.
     pub requests: AtomicU64,
+    /// Attempts sent to providers, retries included.
     pub attempts: AtomicU64,
+    /// Failed attempts that were tried again.
     pub retries: AtomicU64,
+    /// Requests given up on (not retryable, out of attempts or out of retry window).
     pub failures: AtomicU64,
+    /// Total time attempts waited on the rate limiters, in microseconds.
     pub rate_limit_wait_us: AtomicU64,
+    /// Total time of all attempts with the provider (timeouts included), in microseconds.
     pub latency_us_total: AtomicU64,
     /// Requests waiting in the per-tenant queues now.
     pub queued: AtomicU64,
@@ -99,8 +111,11 @@ struct Shared {
 /// error and the wait before the next attempt.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelRetryNotice {
+    /// The attempt that failed, counted from 1.
     pub attempt: u32,
+    /// Why it failed.
     pub error: ModelError,
+    /// The wait before the next attempt: the backoff, or `Retry-After` if longer.
     pub wait: Duration,
 }
 
@@ -293,6 +308,9 @@ impl std::fmt::Debug for ModelGateway {
 }
 
 impl ModelGateway {
+    /// Starts the pool with `providers` and `limits`, both keyed by configured model name (a
+    /// model without limits is unlimited). Returns the handle and the join handle of the
+    /// pool's actor; fails only if that actor cannot be spawned.
     pub async fn start(
         config: GatewayConfig,
         providers: HashMap<String, Arc<dyn ModelProvider>>,
@@ -359,18 +377,22 @@ impl ModelGateway {
         });
     }
 
+    /// The underlying worker pool, for its counters (`/metrics`).
     pub fn pool(&self) -> &Pool<ModelJob> {
         &self.pool
     }
 
+    /// The gateway's counters, shared with `/metrics`.
     pub fn stats(&self) -> &Arc<GatewayStats> {
         &self.shared.stats
     }
 
+    /// Whether a provider is configured under the model name `name`.
     pub fn has_model(&self, name: &str) -> bool {
         self.shared.providers.contains_key(name)
     }
 
+    /// Refuses new requests and answers the queued ones `overloaded`, then stops the pool.
     pub fn stop(&self) {
         self.fair.stop();
         self.pool.stop();

@@ -51,6 +51,7 @@ const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
 pub struct ApiKey(String);
 
 impl ApiKey {
+    /// Wraps the secret `key`.
     pub fn new(key: impl Into<String>) -> Self {
         ApiKey(key.into())
     }
@@ -82,6 +83,7 @@ pub enum MaxTokensField {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OpenAiCompat {
+    /// Which field carries `max_output_tokens` (default `max_tokens`).
     pub max_tokens_field: MaxTokensField,
     /// Use SSE streaming (`stream: true`).
     pub stream: bool,
@@ -118,15 +120,21 @@ pub struct OpenAiConfig {
     pub base_url: String,
     /// The model name sent on the wire.
     pub model: String,
+    /// Sent as a bearer token; `None`: no `Authorization` header (local servers).
     pub api_key: Option<ApiKey>,
     /// Whole-attempt deadline: connect, send, and read the full reply (or stream).
     pub timeout: Duration,
+    /// Output-token limit sent with every request; `None`: the server's default.
     pub max_output_tokens: Option<u32>,
+    /// Sampling temperature sent with every request; `None`: the server's default.
     pub temperature: Option<f32>,
+    /// The server's dialect.
     pub compat: OpenAiCompat,
 }
 
 impl OpenAiConfig {
+    /// A config with no API key, a 60 s timeout, server defaults for tokens and temperature,
+    /// and the default dialect.
     pub fn new(
         name: impl Into<String>,
         base_url: impl Into<String>,
@@ -169,6 +177,8 @@ impl std::fmt::Debug for OpenAiProvider {
 }
 
 impl OpenAiProvider {
+    /// A client for `config`, posting to `<base_url>/chat/completions`. Fails (`Rejected`)
+    /// only if the HTTP client cannot be built.
     pub fn new(config: OpenAiConfig) -> Result<Self, ModelError> {
         let client = reqwest::Client::builder()
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
@@ -210,6 +220,7 @@ impl OpenAiProvider {
         self
     }
 
+    /// The configuration the provider was built with.
     pub fn config(&self) -> &OpenAiConfig {
         &self.config
     }

@@ -22,7 +22,9 @@ use super::{
 /// arguments).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CassetteCall {
+    /// The tool to call.
     pub name: String,
+    /// The arguments, sent as their JSON text; a JSON string is sent verbatim instead.
     #[serde(default)]
     pub arguments: Value,
 }
@@ -30,11 +32,15 @@ pub struct CassetteCall {
 /// A scripted failure, returned `times` times for the same (run, turn) before the reply.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CassetteError {
+    /// The class of the failure (decides whether the gateway retries it).
     pub kind: ModelErrorKind,
+    /// The error's message (default empty).
     #[serde(default)]
     pub message: String,
+    /// Attempts that fail before the reply is given (default 1).
     #[serde(default = "one")]
     pub times: u32,
+    /// `Retry-After` carried by the failure, in ms; `None`: none.
     #[serde(default)]
     pub retry_after_ms: Option<u64>,
 }
@@ -46,15 +52,19 @@ fn one() -> u32 {
 /// One scripted reply.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CassetteReply {
+    /// The reply's text; `None`: no text.
     #[serde(default)]
     pub text: Option<String>,
+    /// Tool calls, given the ids `m<turn>_<index>`.
     #[serde(default)]
     pub tool_calls: Vec<CassetteCall>,
     /// Fail first, then reply.
     #[serde(default)]
     pub error: Option<CassetteError>,
+    /// Input tokens reported; `None`: a quarter of the conversation's bytes.
     #[serde(default)]
     pub input_tokens: Option<u64>,
+    /// Output tokens reported; `None`: a quarter of the reply's bytes, at least 1.
     #[serde(default)]
     pub output_tokens: Option<u64>,
 }
@@ -79,8 +89,10 @@ pub struct Condition {
 /// A rule: the first matching rule's reply is used.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Rule {
+    /// When the rule applies (default: always).
     #[serde(default)]
     pub when: Condition,
+    /// The reply it gives.
     pub reply: CassetteReply,
 }
 
@@ -89,10 +101,15 @@ pub struct Rule {
 #[serde(untagged)]
 pub enum Cassette {
     /// Reply `i` answers turn `i + 1`; past the end, the last reply repeats.
-    Replies { replies: Vec<CassetteReply> },
+    Replies {
+        /// The replies, in turn order.
+        replies: Vec<CassetteReply>,
+    },
     /// The first rule whose condition holds; `default` otherwise.
     Rules {
+        /// The rules, tried in order.
         rules: Vec<Rule>,
+        /// The reply when no rule holds; `None`: the attempt fails as `Rejected`.
         #[serde(default)]
         default: Option<CassetteReply>,
     },
@@ -135,6 +152,7 @@ pub fn turn_of(request: &ModelRequest) -> u32 {
 }
 
 impl ScriptedModel {
+    /// A model named `name` that plays `cassette`, with no delay.
     pub fn new(name: impl Into<String>, cassette: Cassette) -> Self {
         ScriptedModel {
             name: name.into(),
@@ -144,6 +162,7 @@ impl ScriptedModel {
         }
     }
 
+    /// A model named `name` whose replies `f` computes (its errors carry no `Retry-After`).
     pub fn from_fn(
         name: impl Into<String>,
         f: impl Fn(&ModelRequest) -> Result<ModelReply, ModelError> + Send + Sync + 'static,
@@ -161,6 +180,7 @@ impl ScriptedModel {
         serde_json::from_str(json).map_err(|e| format!("invalid cassette: {e}"))
     }
 
+    /// Sleeps `delay` before every attempt (to simulate model latency).
     pub fn with_delay(mut self, delay: Duration) -> Self {
         self.delay = delay;
         self

@@ -6,8 +6,12 @@ use serde::{Deserialize, Serialize};
 /// Limits of one run. Kept in the run's state, so they survive restarts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Budget {
+    /// Model calls allowed (default 20).
     pub max_turns: u32,
+    /// Tool calls that may be dispatched (default 50).
     pub max_tool_calls: u32,
+    /// Input plus output tokens allowed; no model call starts once they are reached (default
+    /// 200 000).
     pub max_tokens: u64,
     /// Absolute deadline, milliseconds since the Unix epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -32,7 +36,9 @@ pub struct Usage {
     pub turns: u32,
     /// Tool calls dispatched.
     pub tool_calls: u32,
+    /// Input tokens of every model reply, as the provider reported them.
     pub input_tokens: u64,
+    /// Output tokens of every model reply, as the provider reported them.
     pub output_tokens: u64,
 }
 
@@ -40,13 +46,19 @@ pub struct Usage {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Exhausted {
+    /// `max_turns` model calls were made.
     Turns,
+    /// The calls asked for would pass `max_tool_calls`.
     ToolCalls,
+    /// `max_tokens` tokens were consumed.
     Tokens,
+    /// `deadline_ms` has passed.
     Deadline,
 }
 
 impl Exhausted {
+    /// The wire name (`turns`, `tool_calls`, `tokens`, `deadline`), as used in errors and
+    /// events.
     pub fn as_str(self) -> &'static str {
         match self {
             Exhausted::Turns => "turns",

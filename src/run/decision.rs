@@ -20,16 +20,23 @@ pub const ASK_USER_TOOL: &str = "ask_user";
 /// What the model decided.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
+    /// A final-answer candidate: the reply's non-blank text, still to be verified.
     Final(String),
+    /// Tool calls to validate and run, in the model's order (none is `ask_user`).
     ToolCalls(Vec<ModelToolCall>),
+    /// The model asks the user a question; the run waits for input.
     AskUser {
         /// The model's id of the `ask_user` call; the answer is sent back under it.
         model_call_id: String,
+        /// The non-blank question, as the model wrote it.
         question: String,
     },
     /// The reply cannot be acted on; the message goes back to the model as a correction.
     Malformed {
+        /// Machine-readable reason: `empty_reply`, `invalid_ask_user` (or `ask_user_disabled`,
+        /// set by the machine).
         code: &'static str,
+        /// The correction shown to the model.
         message: String,
     },
 }

@@ -27,16 +27,27 @@ pub const FIELD: &str = "format_version";
 /// Why a stored body could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
+    /// The body declares a version outside `OLDEST..=CURRENT`.
     #[error(
         "checkpoint format version {found} is not supported by this build (it reads versions {OLDEST} to {CURRENT}); upgrade agentd to read it"
     )]
-    UnsupportedVersion { found: u64 },
+    UnsupportedVersion {
+        /// The version the body declares.
+        found: u64,
+    },
+    /// The body, or one of its transcript entries, is not valid JSON of its version.
     #[error("checkpoint body does not decode: {0}")]
     Malformed(#[from] serde_json::Error),
+    /// Fewer transcript entries are stored than the body's `transcript_len` records.
     #[error(
         "the checkpoint records {expected} transcript entries but only {found} are stored (a torn write)"
     )]
-    TornTranscript { expected: u64, found: usize },
+    TornTranscript {
+        /// The body's `transcript_len`.
+        expected: u64,
+        /// The entries actually stored.
+        found: usize,
+    },
 }
 
 #[derive(Serialize)]

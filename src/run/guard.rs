@@ -81,15 +81,21 @@ pub enum OnPermissionDenied {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DenyRule {
+    /// Where the checked value is in the arguments (a pointer, `*` allowed).
     pub pointer: String,
+    /// Met by a value equal to this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub equals: Option<Value>,
+    /// Met by a value equal to one of these.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub one_of: Option<Vec<Value>>,
+    /// Met by a string starting with this text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix: Option<String>,
+    /// Met by a string this expression matches anywhere (unanchored; at most 1024 bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regex: Option<String>,
+    /// Met by a string of more characters, or an array of more items, than this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_length: Option<usize>,
 }
@@ -98,6 +104,7 @@ pub struct DenyRule {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PathRule {
+    /// Where the path argument is (a pointer, `*` allowed); the value there must be a string.
     pub pointer: String,
     /// An absolute, already normal directory (`/srv/data`).
     pub root: String,
@@ -106,10 +113,15 @@ pub struct PathRule {
 /// What a guard is built from (the `[tools.X]` keys of the same names).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GuardConfig {
+    /// Scopes a run must hold to call the tool (each a `valid_scope`).
     pub permissions: Vec<String>,
+    /// What a call lacking a scope does to the run.
     pub on_permission_denied: OnPermissionDenied,
+    /// Rules refusing argument values.
     pub deny: Vec<DenyRule>,
+    /// Rules confining path arguments to a root.
     pub paths: Vec<PathRule>,
+    /// Pointers of the result parts the model sees; empty: the whole result.
     pub project: Vec<String>,
 }
 
@@ -117,7 +129,9 @@ pub struct GuardConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{key}: {message}")]
 pub struct GuardError {
+    /// The offending sub-key, e.g. `deny[0].regex` or `permissions[1]`.
     pub key: String,
+    /// What is wrong with it.
     pub message: String,
 }
 
@@ -324,20 +338,28 @@ struct CompiledPath {
 /// Why a path argument was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PathError {
+    /// Longer than `MAX_PATH_BYTES`, as given, normalised or resolved.
     #[error("is longer than {MAX_PATH_BYTES} bytes")]
     TooLong,
+    /// A `%` is left after one percent-decoding (or made by NFKC).
     #[error("is percent-encoded more than once")]
     DoubleEncoded,
+    /// The percent-decoded bytes are not UTF-8.
     #[error("is not valid UTF-8 once percent-decoded")]
     NotUtf8,
+    /// Holds a control, invisible, or slash or dot look-alike character: its code point.
     #[error("contains a control, invisible or look-alike character (U+{0:04X})")]
     Suspicious(u32),
+    /// Holds a backslash.
     #[error("contains a backslash")]
     Backslash,
+    /// Holds a segment of only dots and spaces with at least two dots (`..`, `...`, `. .`).
     #[error("contains a `..` segment")]
     ParentSegment,
+    /// A relative path starting with `~`.
     #[error("starts with `~`")]
     HomeRelative,
+    /// An absolute path not under the root: the root.
     #[error("lies outside {0}")]
     OutsideRoot(String),
 }
@@ -447,6 +469,7 @@ pub fn check_path(root: &str, raw: &str) -> Result<String, PathError> {
 pub struct Guard {
     /// Scopes a run must hold to call the tool.
     pub permissions: Vec<String>,
+    /// What a call lacking one of `permissions` does to the run.
     pub on_permission_denied: OnPermissionDenied,
     deny: Vec<CompiledDeny>,
     paths: Vec<CompiledPath>,

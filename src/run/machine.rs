@@ -113,26 +113,38 @@ use crate::tool::{
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum RunEvent {
+    /// A `created` run takes its first turn.
     Start,
     /// The run's actor was (re)started from a checkpoint of a non-terminal run.
     Resume,
+    /// The model gateway's reply to `CallModel`.
     ModelReplied {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The raw reply; the machine turns it into one `Decision`.
         reply: ModelReply,
     },
+    /// The gateway gave up on a `CallModel` request (its own retries are over), or shed it
+    /// as `overloaded`.
     ModelFailed {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The final, classified failure.
         error: ModelError,
     },
+    /// The delay of a `ScheduleRetry` has passed.
     RetryDue {
+        /// The epoch of the `ScheduleRetry`; an older one than the run's is stale.
         epoch: u64,
     },
     /// The model gateway is about to try the request again after a failed attempt (its own
     /// retries, reported so the run's record shows why it is slow). Changes nothing else.
     ModelRetrying {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
         /// The attempt that failed (from 1).
         attempt: u32,
+        /// Why the attempt failed.
         error: ModelError,
         /// How long the gateway waits before the next attempt.
         wait_ms: u64,
@@ -140,93 +152,145 @@ pub enum RunEvent {
     /// The tool executor is about to send `call_id` again (same key) after a transient failure.
     /// Changes nothing else: the model never hears of a retried call that then succeeds.
     ToolRetrying {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The dispatched call that is sent again.
         call_id: CallId,
+        /// The attempt that failed (from 1).
         attempt: u32,
+        /// Why it failed (redacted, message cut).
         error: ToolError,
+        /// How long the executor waits before the next attempt, in ms.
         wait_ms: u64,
     },
+    /// The tool pool's final result for the dispatched call `call_id` (after the executor's
+    /// retries).
     ToolFinished {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The call it answers.
         call_id: CallId,
+        /// Its result: data, or a classified error.
         result: ToolResult,
     },
+    /// The answer to `CheckStatus`: whether the call with the key of `call_id` already ran.
     StatusChecked {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The reconciled call.
         call_id: CallId,
+        /// `Ok(Some(result))`: it ran, with this result; `Ok(None)`: it never ran (it is sent
+        /// now, same key); `Err`: the tool could not tell (the outcome stays unknown).
         outcome: Result<Option<ToolResult>, ToolError>,
     },
+    /// The answer to `Verify`.
     VerificationDone {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// `Ok`: every verifier accepted the candidate; `Err(reason)`: the first rejection,
+        /// which goes back to the model.
         verdict: Result<(), String>,
     },
+    /// An operator cancels the run.
     Cancel {
+        /// Why, as given; recorded in the event.
         reason: Option<String>,
     },
+    /// An operator approves `call_id`, a call waiting for a decision (approval, hold, or
+    /// unknown outcome): it is sent (again).
     Approve {
+        /// The call decided on.
         call_id: CallId,
+        /// Edited arguments to run instead, checked by the tool's schema, deny and path
+        /// rules (a new key); `None`: as proposed.
         arguments: Option<Value>,
         /// Who decided: the token's configured name (recorded in the event).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },
+    /// An operator rejects `call_id`: it is not sent, and the model is told.
     Reject {
+        /// The call decided on.
         call_id: CallId,
+        /// Why; the model gets it in the refusal (an approval's, or a held call's `skipped`).
         reason: Option<String>,
+        /// Who decided: the token's configured name (recorded in the event).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },
+    /// Operator input: the answer to a pending `ask_user` question, or else queued for the
+    /// next turn.
     Input {
+        /// The text, given to the model as a user message (as `{"answer": …}` to a question).
         text: String,
     },
     /// An operator's decision `fail` on a call waiting for one: the run ends `failed`.
     Fail {
+        /// The call waiting for an operator.
         call_id: CallId,
+        /// Why; appended to the run's error message.
         reason: Option<String>,
+        /// Who decided: the token's configured name (recorded in the event).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },
+    /// The run's deadline (`Budget::deadline_ms`) passed: it fails `budget_exceeded`.
     DeadlineReached,
     /// The approval timer of `call_id` fired (armed by the actor from the tool's
     /// `approval_timeout`); a call already decided ignores it.
     ApprovalExpired {
+        /// The call whose timer fired.
         call_id: CallId,
     },
     /// Ends the run as failed from outside (e.g. the supervisor's `crash_loop`).
     Abort {
+        /// The code of the run's error (`RunError::code`).
         code: String,
+        /// The message of the run's error.
         message: String,
     },
     /// The tool accepted the dispatched call `call_id` to finish it later (`202 Accepted`):
     /// poll `status_url` (if any) until `timeout_ms` from now, the call's own deadline.
     ToolAccepted {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The dispatched call the tool accepted.
         call_id: CallId,
+        /// Where its status is polled; `None`: the tool only calls back.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         status_url: Option<String>,
+        /// The call's deadline from now, in ms (the tool's `task_timeout`, else `timeout`).
         timeout_ms: u64,
     },
     /// A poll of the accepted call `call_id` got its final answer (`200` with the result, or a
     /// `4xx` failure). "Still running" and transient failures never reach the machine.
     ToolPolled {
+        /// The epoch of the request it answers; an older one than the run's is stale.
         epoch: u64,
+        /// The accepted call that was polled.
         call_id: CallId,
+        /// Its final result.
         result: ToolResult,
     },
     /// The tool completed `call_id` through the callback route (a control from the inbox;
     /// the API checked the call's token before storing it).
     CallbackResult {
+        /// The call the tool completed.
         call_id: CallId,
+        /// The result the tool posted.
         result: ToolResult,
     },
     /// The deadline of the accepted call `call_id` passed without a result.
     CallDeadline {
+        /// The epoch of the `PollTool` that armed the deadline; an older one is stale.
         epoch: u64,
+        /// The accepted call whose deadline passed.
         call_id: CallId,
     },
 }
 
 impl RunEvent {
+    /// The event's snake_case name, for errors and `control_refused` events.
     pub fn name(&self) -> &'static str {
         match self {
             RunEvent::Start => "start",
@@ -315,43 +379,61 @@ impl From<Control> for RunEvent {
 /// Work the actor must carry out after committing the transition.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
+    /// Build the run's context from the committed state and send one model request.
     CallModel {
+        /// The epoch its reply must carry.
         epoch: u64,
+        /// `None` on a forced final or reserve turn: no tools are offered.
         tool_choice: ToolChoice,
     },
     /// Send the batch call `call_id` (its intent is in the committed state).
     ExecuteTool {
+        /// The epoch its reply must carry.
         epoch: u64,
+        /// The call of `RunState::calls` to send.
         call_id: CallId,
     },
     /// Ask the tool whether the call with this key already ran.
     CheckStatus {
+        /// The epoch its reply must carry.
         epoch: u64,
+        /// The call of `RunState::calls` being reconciled.
         call_id: CallId,
     },
+    /// Run the agent's verifiers on a candidate final answer.
     Verify {
+        /// The epoch its reply must carry.
         epoch: u64,
+        /// The answer: its JSON if the text is a JSON object or array, else the text.
         candidate: Value,
     },
     /// Deliver `RetryDue { epoch }` after a delay.
     ScheduleRetry {
+        /// The epoch `RetryDue` must carry.
         epoch: u64,
+        /// The delay, in ms.
         after_ms: u64,
     },
     /// Send the compensating call `call_id` (its intent is in `RunState::compensations`).
     Compensate {
+        /// The epoch its reply must carry.
         epoch: u64,
+        /// The `Compensation::call_id` to send.
         call_id: CallId,
     },
     /// Ask the compensating tool whether the compensating call `call_id` already ran.
     CheckCompensation {
+        /// The epoch its reply must carry.
         epoch: u64,
+        /// The `Compensation::call_id` being reconciled.
         call_id: CallId,
     },
     /// Poll the accepted call `call_id` (its `task` is in the committed state) with backoff
     /// until it has a result, and deliver `CallDeadline` at its deadline.
     PollTool {
+        /// The epoch its replies (and `CallDeadline`) must carry.
         epoch: u64,
+        /// The call of `RunState::calls` awaiting its result.
         call_id: CallId,
     },
     /// Cancel every request in flight for this run.
@@ -367,6 +449,7 @@ pub struct Transition {
     pub kind: &'static str,
     /// Event data; always has `status` and `phase` after the transition.
     pub data: Value,
+    /// Work to carry out, in order, once the transition is committed.
     pub effects: Vec<Effect>,
 }
 
@@ -376,36 +459,46 @@ pub struct Transition {
 pub struct InvalidTransition {
     /// `invalid_state`, `unknown_call`, `invalid_argument` or `input_queue_full`.
     pub code: &'static str,
+    /// What did not fit, in one sentence.
     pub message: String,
+    /// The run's status when the event came.
     pub status: Status,
 }
 
 /// How the catalog sees a tool name for this agent.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolLookup {
+    /// On the agent's list: the tool's policy facts.
     Allowed(ToolInfo),
     /// Registered, but not on this agent's allow-list.
     NotAllowed,
+    /// No tool of that name is registered.
     Unknown,
 }
 
 /// The policy facts of one tool that the machine needs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ToolInfo {
+    /// What a call does to the world (decides resend, reconcile or park after a crash).
     pub effect: ToolEffect,
+    /// Repeated calls are not counted as no progress (`ToolSpec::polling`).
     pub polling: bool,
+    /// The tool can say whether a call with a given key ran (`ToolSpec::reconcilable`).
     pub reconcilable: bool,
 }
 
 /// A schema violation, with the JSON pointer of the failing value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArgumentError {
+    /// JSON Pointer of the failing value (`""`: the whole arguments object).
     pub path: String,
+    /// What is wrong there (the validator's message).
     pub message: String,
 }
 
 /// The tools of one agent, as the pure core sees them. Implementations must be deterministic.
 pub trait ToolCatalog {
+    /// Whether `name` is a tool this agent may call, and its policy facts.
     fn lookup(&self, name: &str) -> ToolLookup;
     /// Checks arguments against the tool's JSON Schema.
     fn validate(&self, name: &str, arguments: &Value) -> Result<(), ArgumentError>;
@@ -448,6 +541,7 @@ pub trait ToolCatalog {
 /// How a successful call of one tool is undone (see `machine::compensate`).
 #[derive(Debug, Clone, Copy)]
 pub struct CompensationPlan<'a> {
+    /// The tool's `compensate` rule: the compensating tool and its argument mapping.
     pub rule: &'a crate::tool::Compensate,
     /// The compensating tool's policy facts.
     pub info: ToolInfo,
@@ -468,10 +562,14 @@ pub struct Policy {
     pub max_verify_rejections: u32,
     /// Resends of an idempotent call with an unknown outcome, or of an overloaded call.
     pub max_tool_retries: u32,
+    /// Backoff before the first retry (model `overloaded`, tool `overloaded`), in ms;
+    /// doubled per attempt, ±20 % jitter.
     pub retry_base_ms: u64,
+    /// Cap of one backoff, in ms.
     pub retry_max_ms: u64,
     /// Input messages held for a busy run.
     pub max_queued_input: usize,
+    /// Thresholds of no-progress detection.
     pub progress: ProgressPolicy,
 }
 
@@ -492,8 +590,11 @@ impl Default for Policy {
 
 /// Everything besides the state and the event that a step may look at.
 pub struct StepContext<'a> {
+    /// The current time, ms since the Unix epoch (the step reads no clock).
     pub now_ms: u64,
+    /// Bounds besides the budget.
     pub policy: &'a Policy,
+    /// The agent's tools.
     pub tools: &'a dyn ToolCatalog,
 }
 

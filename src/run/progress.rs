@@ -35,15 +35,19 @@ impl Default for ProgressPolicy {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Escalation {
+    /// No signal yet.
     #[default]
     None,
+    /// The model was nudged once; the next signal forces a final turn.
     Nudged,
+    /// A final turn was forced; the next signal fails the run.
     ForcedFinal,
 }
 
 /// What the run should do after a tool batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
+    /// No signal: carry on.
     Continue,
     /// Tell the model it is repeating itself (the reason is the nudge text).
     Nudge(String),
@@ -60,7 +64,9 @@ pub struct CallOutcome {
     pub fingerprint: u64,
     /// Of (tool, result envelope).
     pub result_fingerprint: u64,
+    /// The tool is a polling tool: no fingerprint or failure counting, a success is progress.
     pub polling: bool,
+    /// The call succeeded.
     pub ok: bool,
 }
 
@@ -74,8 +80,11 @@ pub struct Progress {
     /// [`MAX_TRACKED_FINGERPRINTS`]. Absent in checkpoints written before results were tracked.
     #[serde(default)]
     pub results_seen: Vec<(u64, u32)>,
+    /// Non-polling calls failed in a row; reset by a success and by each escalation.
     pub failure_streak: u32,
+    /// Turns in a row without a new successful call; reset by each escalation.
     pub stale_turns: u32,
+    /// How far the graduated response has gone.
     pub escalation: Escalation,
 }
 

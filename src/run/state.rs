@@ -14,16 +14,24 @@ use crate::tool::{ToolEffect, ToolResult};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
+    /// Stored, not started yet.
     Created,
+    /// Working: waiting for the model, tools, a timer or the verifiers (see `Phase`).
     Running,
+    /// Waiting for an operator's decision on a call of the batch.
     WaitingApproval,
+    /// Waiting for the user's answer to the model's `ask_user` question.
     WaitingInput,
+    /// Over: a final answer passed every verifier (`RunState::output`).
     Succeeded,
+    /// Over with an error (`RunState::error`).
     Failed,
+    /// Over: an operator cancelled it.
     Cancelled,
 }
 
 impl Status {
+    /// Every status, in lifecycle order (the order of per-status metrics).
     pub const ALL: [Status; 7] = [
         Status::Created,
         Status::Running,
@@ -34,10 +42,12 @@ impl Status {
         Status::Cancelled,
     ];
 
+    /// Whether the run is over: `succeeded`, `failed` or `cancelled`.
     pub fn is_terminal(self) -> bool {
         matches!(self, Status::Succeeded | Status::Failed | Status::Cancelled)
     }
 
+    /// The API's name (`created`, `waiting_approval`, …); `FromStr` parses it back.
     pub fn as_str(self) -> &'static str {
         match self {
             Status::Created => "created",
@@ -74,11 +84,18 @@ impl std::str::FromStr for Status {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    /// Building the next model request; the machine never leaves a run in it (the actor
+    /// builds the request for `CallModel`).
     BuildingContext,
+    /// A model request, or its scheduled retry, is out.
     AwaitingModel,
+    /// Checking the reply's tool calls (schema, guard, approval); left in the same step.
     ValidatingCalls,
+    /// Calls of the batch are with the tool pool, or wait for a resend.
     ExecutingTools,
+    /// Tools are asked whether calls whose outcome is unknown ran.
     Reconciling,
+    /// The verifiers are checking a candidate final answer.
     Verifying,
     /// The run is ending (`cancelled` or `failed`, recorded in `RunState::ending`) and undoes
     /// its successful calls first, one compensating call at a time, newest first.
@@ -90,6 +107,7 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// The API's name (`awaiting_model`, …), as in events.
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::BuildingContext => "building_context",
@@ -142,20 +160,30 @@ pub struct CallTask {
 /// One tool call of the current batch: its intent and, once known, its result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingCall {
+    /// The runtime's id of the call, from its turn and index in the reply (`call_<turn>_<i>`).
     pub call_id: CallId,
     /// The model's id for the call, echoed back on the tool message.
     pub model_call_id: String,
+    /// The tool called, as the model named it.
     pub tool: String,
+    /// The arguments the call runs with: normalised by path rules, or as an operator edited
+    /// them. Arguments that are not JSON are kept as a string (the call is refused).
     pub arguments: Value,
     /// Server-derived idempotency key (see `idempotency::idempotency_key`).
     pub key: String,
+    /// The tool's declared effect (`read` for a call refused before it could run).
     pub effect: ToolEffect,
+    /// The tool is a polling tool (not counted by no-progress detection).
     pub polling: bool,
+    /// The tool can say whether a call with this key ran.
     pub reconcilable: bool,
+    /// Where the call stands.
     pub status: CallStatus,
     /// Times sent to the tool.
     pub attempts: u32,
+    /// Of (tool, canonical arguments), for no-progress detection.
     pub fingerprint: u64,
+    /// The result once known (a refusal is known at once); a held call keeps its last one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<ToolResult>,
     /// When the call began waiting for an operator (the approval expiry counts from here).
@@ -232,19 +260,25 @@ pub struct Compensation {
     pub call_id: CallId,
     /// The call it undoes, and that call's tool.
     pub for_call: CallId,
+    /// The original call's tool.
     pub for_tool: String,
     /// The compensating tool and its arguments (mapped from the original call's).
     pub tool: String,
+    /// The compensating call's arguments, mapped from the original call's.
     pub arguments: Value,
     /// Derived from the original call's key (`idempotency::compensation_key`).
     pub key: String,
+    /// The compensating tool's declared effect (decides resend or reconcile after a crash).
     pub effect: ToolEffect,
+    /// The compensating tool can say whether a call with this key ran.
     #[serde(default)]
     pub reconcilable: bool,
+    /// Where it stands.
     pub status: CompensationStatus,
     /// Times sent to the tool.
     #[serde(default)]
     pub attempts: u32,
+    /// Its result, once it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<ToolResult>,
     /// Why it was skipped.
@@ -257,6 +291,7 @@ pub struct Compensation {
 pub struct Ending {
     /// `cancelled` or `failed`.
     pub status: Status,
+    /// The error of a `failed` ending; `None` for `cancelled`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<RunError>,
 }
@@ -264,11 +299,14 @@ pub struct Ending {
 /// Why a run failed: a stable snake_case code and one sentence.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunError {
+    /// Stable snake_case code (`budget_exceeded`, `no_progress`, `model_unavailable`, …).
     pub code: String,
+    /// One sentence for people.
     pub message: String,
 }
 
 impl RunError {
+    /// An error with `code` and `message`.
     pub fn new(code: &str, message: impl Into<String>) -> Self {
         RunError {
             code: code.to_owned(),
@@ -283,29 +321,40 @@ pub const MAX_CONTROL_REFUSALS: usize = 64;
 /// A control the run consumed without applying it: it did not fit the run's state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ControlRefusal {
+    /// The control's position in the run's inbox.
     pub seq: u64,
+    /// The `InvalidTransition` code (`invalid_state`, `unknown_call`, …).
     pub code: String,
+    /// The `InvalidTransition` message.
     pub message: String,
 }
 
 /// The whole state of one run. Serialized as the checkpoint body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunState {
+    /// The run's id.
     pub id: RunId,
+    /// The tenant that owns the run (of the token that created it).
     pub tenant: String,
+    /// The name of the agent the run runs (a key of `[agents.*]`).
     pub agent: String,
     /// The goal as given.
     pub input: Value,
+    /// The creator's JSON metadata, returned with the run; `null`: none.
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub metadata: Value,
     /// The scopes of the token that created the run, never widened; `None` (a plain token, or
     /// a checkpoint from before scopes existed): every scope.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scopes: Option<Vec<String>>,
+    /// Public status.
     pub status: Status,
+    /// Where a `running` run is; `None` in every other status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
+    /// The run's limits, fixed at creation.
     pub budget: Budget,
+    /// What the run has consumed so far.
     pub usage: Usage,
     /// The current batch of tool calls (empty outside a batch).
     #[serde(default)]
@@ -331,12 +380,16 @@ pub struct RunState {
     /// Context rebuilds after the provider said the request did not fit (at most one).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub context_rebuilds: u32,
+    /// No-progress tracking.
     pub progress: Progress,
     /// The candidate final answer being verified.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub candidate: Option<Value>,
+    /// The final answer of a `succeeded` run, or the reserve turn's answer of a run that
+    /// failed `budget_exceeded`; JSON when the answer is a JSON object or array, else text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<Value>,
+    /// Why a `failed` run failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<RunError>,
     /// The model's question while `waiting_input`, with the model's id for the ask call.
@@ -381,7 +434,9 @@ pub struct RunState {
     /// Times this run was restarted after a crash.
     #[serde(default)]
     pub restarts: u32,
+    /// When the run was created, ms since the Unix epoch.
     pub created_at_ms: u64,
+    /// When the last transition was applied, ms since the Unix epoch.
     pub updated_at_ms: u64,
     /// Equals the seq of the last event: one per transition.
     pub version: u64,
@@ -449,10 +504,12 @@ impl RunState {
         }
     }
 
+    /// Whether the run is over (its status is terminal).
     pub fn is_terminal(&self) -> bool {
         self.status.is_terminal()
     }
 
+    /// The call `call_id` of the current batch, if it is in it.
     pub fn call(&self, call_id: &CallId) -> Option<&PendingCall> {
         self.calls.iter().find(|c| &c.call_id == call_id)
     }

@@ -18,7 +18,12 @@ pub enum Verifier {
     /// This tool must have succeeded at least once in the run.
     ToolSucceeded(String),
     /// A Rust closure.
-    Custom { name: String, check: Arc<VerifyFn> },
+    Custom {
+        /// A label for the verifier, shown by `Debug`.
+        name: String,
+        /// The check: `Err(reason)` rejects the candidate.
+        check: Arc<VerifyFn>,
+    },
 }
 
 impl std::fmt::Debug for Verifier {
@@ -40,6 +45,7 @@ impl Verifier {
             .map_err(|e| format!("invalid output schema: {e}"))
     }
 
+    /// A closure verifier named `name`; `check` gets the candidate and the run's state.
     pub fn custom(
         name: impl Into<String>,
         check: impl Fn(&Value, &RunState) -> Result<(), String> + Send + Sync + 'static,

@@ -18,6 +18,7 @@ pub struct Echo {
 }
 
 impl Echo {
+    /// The `echo` tool: `{"text": …}` (at most 4096 characters) in, the same out; 5 s timeout.
     pub fn new() -> Self {
         Echo {
             spec: ToolSpec::new(
@@ -60,6 +61,8 @@ pub struct Add {
 }
 
 impl Add {
+    /// The `add` tool: integers `a` and `b` in, `{"sum": …}` out (fails on overflow); 5 s
+    /// timeout.
     pub fn new() -> Self {
         Add {
             spec: ToolSpec::new(
@@ -109,10 +112,12 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// Times a call with idempotency key `key` ran to success (0 if never).
     pub fn executions(&self, key: &str) -> u64 {
         self.by_key.get(key).map_or(0, |v| *v)
     }
 
+    /// Successful executions of every key together.
     pub fn total(&self) -> u64 {
         self.total.load(Ordering::SeqCst)
     }
@@ -139,6 +144,9 @@ pub struct CountingTool {
 }
 
 impl CountingTool {
+    /// A tool named `name` with `effect` (other spec fields `ToolSpec::new`'s), no delay, and
+    /// a fresh ledger. Arguments `{"item": …, "fail"?: bool}`; it answers
+    /// `{"recorded": item, "execution": n}`.
     pub fn new(name: &str, effect: ToolEffect) -> Self {
         CountingTool {
             spec: ToolSpec::new(
@@ -161,21 +169,25 @@ impl CountingTool {
         }
     }
 
+    /// Changes the spec with `f` (e.g. approval, `max_attempts`).
     pub fn with_spec(mut self, f: impl FnOnce(ToolSpec) -> ToolSpec) -> Self {
         self.spec = f(self.spec);
         self
     }
 
+    /// Waits `delay` before each execution (a cancelled call fails `failed`, unrecorded).
     pub fn delay(mut self, delay: Duration) -> Self {
         self.delay = delay;
         self
     }
 
+    /// The error code of a call with `"fail": true` (default `failed`).
     pub fn failure(mut self, code: ToolErrorCode) -> Self {
         self.failure = code;
         self
     }
 
+    /// The ledger of this tool's executions, shared.
     pub fn ledger(&self) -> Arc<Ledger> {
         self.ledger.clone()
     }

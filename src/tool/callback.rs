@@ -98,6 +98,7 @@ fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
 pub struct CallbackToken(String);
 
 impl CallbackToken {
+    /// The token itself (64 hex digits), for the `X-Agentd-Callback-Token` header only.
     pub fn expose(&self) -> &str {
         &self.0
     }
@@ -112,7 +113,9 @@ impl std::fmt::Debug for CallbackToken {
 /// Where and how a tool completes one call.
 #[derive(Debug, Clone)]
 pub struct Callback {
+    /// The call's result route: `<public_url>/v1/runs/{id}/calls/{call_id}/result`.
     pub url: String,
+    /// The call's secret token, presented with the result.
     pub token: CallbackToken,
 }
 
@@ -125,6 +128,7 @@ pub struct Callbacks {
 }
 
 impl Callbacks {
+    /// The route under `public_url` (a trailing `/` is dropped), with tokens from `key`.
     pub fn new(public_url: &str, key: CallbackKey) -> Self {
         Callbacks {
             public_url: public_url.trim_end_matches('/').to_owned(),
@@ -145,6 +149,7 @@ impl Callbacks {
         }
     }
 
+    /// Whether `presented` is the token of this call (constant time).
     pub fn verify(&self, run: &RunId, call: &CallId, presented: &str) -> bool {
         self.key.verify(run, call, presented)
     }

@@ -37,7 +37,9 @@ use crate::redact::Redactor;
 /// What a tool job asks.
 #[derive(Debug)]
 pub enum ToolWork {
+    /// Run the call, with the executor's retries by class.
     Call {
+        /// The checked arguments.
         arguments: Value,
     },
     /// Reconcile: did the call with `ctx.idempotency_key` run?
@@ -45,6 +47,7 @@ pub enum ToolWork {
     /// Long-running call: one poll of the accepted call's status URL (a short job; the wait
     /// between polls is a timer of the run, not a worker).
     Poll {
+        /// The URL the tool gave when it accepted the call.
         status_url: String,
     },
 }
@@ -53,8 +56,11 @@ pub enum ToolWork {
 /// (redacted, message cut) and the wait before the next attempt.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryNotice {
+    /// The attempt that failed, counted from 1.
     pub attempt: u32,
+    /// Why it failed (redacted, message cut).
     pub error: ToolError,
+    /// The wait before the next attempt: the backoff, or `Retry-After` if longer.
     pub wait: Duration,
 }
 
@@ -64,10 +70,13 @@ pub type OnRetry = Box<dyn Fn(RetryNotice) + Send + Sync>;
 /// What comes back.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolOutcome {
+    /// The answer to `Call`: the last attempt's result, sanitized.
     Result(ToolResult),
+    /// The answer to `Status`, as `Tool::status`: `Ok(Some)` it ran, `Ok(None)` it never ran.
     Status(Result<Option<ToolResult>, ToolError>),
     /// The tool accepted the call (`202`) and finishes it later.
     Accepted {
+        /// Where its status is polled; `None`: the tool only calls back.
         status_url: Option<String>,
     },
     /// One poll: `Ok(None)` still running, `Ok(Some)` the result, `Err` as `Tool::poll`.
@@ -155,10 +164,12 @@ impl ToolExecutor {
         );
     }
 
+    /// The underlying worker pool, for its counters (`/metrics`).
     pub fn pool(&self) -> &Pool<ToolJob> {
         &self.pool
     }
 
+    /// Stops the pool; queued jobs are answered `overloaded`.
     pub fn stop(&self) {
         self.pool.stop();
     }

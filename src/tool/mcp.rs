@@ -57,14 +57,20 @@ pub enum McpTransport {
     /// daemon's [`INHERITED_ENV`] variables — the daemon's secrets (model API keys, tokens)
     /// are not handed to third-party servers — unless `inherit_env` is set.
     Stdio {
+        /// The program to run.
         command: String,
+        /// Its arguments.
         args: Vec<String>,
+        /// Environment variables set for the child, over the inherited ones.
         env: Vec<(String, String)>,
+        /// Its working directory; `None`: the daemon's.
         cwd: Option<std::path::PathBuf>,
+        /// Hand the child the daemon's whole environment, not only [`INHERITED_ENV`].
         inherit_env: bool,
     },
     /// A streamable-HTTP endpoint, e.g. `http://127.0.0.1:3001/mcp`.
     Http {
+        /// The endpoint's URL.
         url: String,
         /// Sent as `Authorization: Bearer …`; never logged.
         bearer_token: Option<String>,
@@ -76,6 +82,7 @@ pub enum McpTransport {
 pub struct McpServerConfig {
     /// Prefix of every tool name; `^[a-zA-Z0-9_-]+$` without `__`.
     pub name: String,
+    /// How to reach the server.
     pub transport: McpTransport,
     /// Per-call timeout of every tool of this server.
     pub timeout: Duration,
@@ -85,16 +92,25 @@ pub struct McpServerConfig {
     pub effect: ToolEffect,
     /// Per-tool effect overrides, keyed by the server's own tool name (e.g. `get-sum`).
     pub effects: HashMap<String, ToolEffect>,
+    /// Take a tool's effect from its annotations when `effects` does not name it
+    /// (`readOnlyHint` → `read`, `idempotentHint` → `idempotent`; otherwise `effect`).
     pub trust_annotations: bool,
+    /// Declared risk of every tool of this server.
     pub risk: RiskLevel,
+    /// Approval rule of every tool of this server.
     pub approval: ApprovalRule,
+    /// Output cap of every tool of this server, in bytes of serialized result data.
     pub max_output_bytes: usize,
     /// First wait after a failed reconnect; doubles up to `restart_backoff_max`.
     pub restart_backoff: Duration,
+    /// Longest wait between reconnect attempts.
     pub restart_backoff_max: Duration,
 }
 
 impl McpServerConfig {
+    /// A server reached by `transport`, with defaults: `unsafe`, `medium` risk, no approval,
+    /// 30 s call and startup timeouts, 64 KiB output, no trust in annotations, reconnect
+    /// backoff from 500 ms to 30 s.
     pub fn new(name: impl Into<String>, transport: McpTransport) -> Self {
         McpServerConfig {
             name: name.into(),
@@ -141,12 +157,25 @@ impl McpServerConfig {
 /// Failure to start or query an MCP server.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum McpError {
+    /// The configuration is invalid (e.g. the server name): why.
     #[error("invalid MCP server config: {0}")]
     Config(String),
+    /// Spawning or connecting, or the `initialize` handshake, failed or timed out.
     #[error("MCP server {server}: {message}")]
-    Connect { server: String, message: String },
+    Connect {
+        /// The server's configured name.
+        server: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// `tools/list` failed or timed out (`startup_timeout`).
     #[error("MCP server {server}: listing tools failed: {message}")]
-    List { server: String, message: String },
+    List {
+        /// The server's configured name.
+        server: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 type Client = RunningService<RoleClient, ()>;
@@ -179,6 +208,7 @@ impl std::fmt::Debug for McpServer {
 /// The result of tool discovery.
 #[derive(Debug)]
 pub struct McpDiscovery {
+    /// The tools exposed, named `<server>__<tool>`.
     pub tools: Vec<Arc<McpTool>>,
     /// `(server's tool name, reason)` of every tool not exposed.
     pub skipped: Vec<(String, String)>,
@@ -219,6 +249,7 @@ impl McpServer {
         }))
     }
 
+    /// The server's configured name (the prefix of its tools' names).
     pub fn name(&self) -> &str {
         &self.config.name
     }

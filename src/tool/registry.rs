@@ -15,6 +15,7 @@ use crate::run::read_output::READ_OUTPUT_TOOL;
 
 /// A tool and its compiled schema.
 pub struct RegisteredTool {
+    /// The tool itself.
     pub tool: Arc<dyn Tool>,
     validator: jsonschema::Validator,
 }
@@ -30,14 +31,23 @@ impl std::fmt::Debug for RegisteredTool {
 /// Why a tool could not be registered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
+    /// The name does not match `^[a-zA-Z0-9_-]{1,64}$`: the name.
     #[error("tool name `{0}` must match ^[a-zA-Z0-9_-]{{1,64}}$")]
     BadName(String),
+    /// A tool of this name is already registered: the name.
     #[error("tool `{0}` is registered twice")]
     Duplicate(String),
+    /// The name is the runtime's own (`ask_user`): the name.
     #[error("tool name `{0}` is reserved")]
     Reserved(String),
+    /// The parameters schema does not compile (draft 2020-12).
     #[error("tool `{name}`: invalid parameters schema: {message}")]
-    BadSchema { name: String, message: String },
+    BadSchema {
+        /// The tool's name.
+        name: String,
+        /// The compiler's error.
+        message: String,
+    },
 }
 
 /// Every tool the daemon knows, by name.
@@ -55,6 +65,7 @@ fn valid_name(name: &str) -> bool {
 }
 
 impl Registry {
+    /// An empty registry.
     pub fn new() -> Self {
         Self::default()
     }
@@ -83,10 +94,12 @@ impl Registry {
         Ok(())
     }
 
+    /// The tool registered as `name`, if any.
     pub fn get(&self, name: &str) -> Option<&RegisteredTool> {
         self.tools.get(name)
     }
 
+    /// The names of every registered tool, in no particular order.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tools.keys().map(String::as_str)
     }
@@ -141,6 +154,8 @@ fn read_output_validator() -> &'static jsonschema::Validator {
 }
 
 impl AgentTools {
+    /// The view of `registry` for an agent allowed the tools `allowed`, with `ask_user`
+    /// offered.
     pub fn new(registry: Arc<Registry>, allowed: Arc<[String]>) -> Self {
         AgentTools {
             registry,
