@@ -1,6 +1,7 @@
 //! `agentd bench`: a load generator for the runtime. N concurrent runs of K tool steps each, on
-//! the scripted model and the `echo` tool, in this process; reports runs succeeded, steps per
-//! second, step latency percentiles, CPU per step, peak RSS and memory per run.
+//! the scripted model and the bench's `emit` tool (a short call, an output of the asked size),
+//! in this process; reports runs succeeded, steps per second, step latency percentiles, CPU per
+//! step, peak RSS and memory per run, and on Redis what the store received per step, by turn.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -11,14 +12,14 @@ use serde_json::{Value, json};
 
 use crate::agent::AgentSpec;
 use crate::ids::RunId;
-use crate::model::scripted::{ScriptedModel, turn_of};
+use crate::model::scripted::ScriptedModel;
 use crate::model::{ModelProvider, ModelReply, ModelToolCall};
 use crate::pool::PoolSize;
 use crate::run::{Budget, Status};
 use crate::runtime::{NewRun, Runtime, RuntimeConfig, RuntimeParts};
 use crate::store::SharedStore;
-use crate::tool::builtin::Echo;
 use crate::tool::registry::Registry;
+use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -34,8 +35,7 @@ pub struct BenchOptions {
     /// Instead of running steps: park every run in `waiting_input` (one model turn asking the
     /// user), measure the memory of N live, idle runs, then cancel them.
     pub park: bool,
-    /// Bytes of each tool output (the echoed text; the call's arguments carry it too). 0: a
-    /// short text.
+    /// Bytes of the text of each tool output (the call itself stays short). 0: a short text.
     pub tool_output_bytes: usize,
     /// A single Redis server (`redis://…`) whose `INFO` is read before and after, to report
     /// bytes received and commands per step. Other clients of that server count too.
@@ -124,6 +124,15 @@ pub struct BenchReport {
     /// With `redis_stats_url`: what Redis received during the run (the two `INFO` reads
     /// between included).
     pub redis: Option<RedisTraffic>,
+    /// With `redis_stats_url`: what Redis received per step in each tenth of the steps (about
+    /// turns `k·K/10 + 1 ..= (k+1)·K/10` of every run, as the runs advance together), as
+    /// (first turn, last turn, bytes per step, commands per step).
+    pub redis_by_turn: Vec<(u32, u32, f64, f64)>,
+    /// The first run's stored transcript entries and events, in bytes per step: what a step
+    /// has to write at the least.
+    pub stored_per_step: Option<f64>,
+    /// Why the runs that did not succeed ended, with how many ended so.
+    pub failures: Vec<(String, usize)>,
 }
 
 impl BenchReport {
@@ -140,6 +149,9 @@ impl BenchReport {
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "runs succeeded     {}/{}", self.succeeded, self.runs)?;
+        for (why, n) in &self.failures {
+            writeln!(f, "  {n} ended with    {why}")?;
+        }
         writeln!(
             f,
             "steps              {} in {:.2?}",
@@ -179,6 +191,34 @@ impl std::fmt::Display for BenchReport {
                 r.commands
             )?;
         }
+        if let Some(stored) = self.stored_per_step {
+            write!(
+                f,
+                "\nstored per step    {:.2} KiB of new transcript entries and events (first run)",
+                stored / 1024.0
+            )?;
+            if let Some(r) = self.redis {
+                let per_step = r.input_bytes as f64 / self.steps.max(1) as f64;
+                write!(
+                    f,
+                    "; {:.2} KiB more reached Redis (checkpoint, keys, protocol)",
+                    (per_step - stored) / 1024.0
+                )?;
+            }
+        }
+        if !self.redis_by_turn.is_empty() {
+            write!(f, "\nredis by turn      ")?;
+            for (i, (from, to, bytes, commands)) in self.redis_by_turn.iter().enumerate() {
+                if i > 0 {
+                    write!(f, "\n                   ")?;
+                }
+                write!(
+                    f,
+                    "turns {from:>3}-{to:<3}  {:>6.2} KiB  {commands:>5.1} commands per step",
+                    bytes / 1024.0
+                )?;
+            }
+        }
         if let Some(parked) = self.parked_rss {
             write!(
                 f,
@@ -190,8 +230,50 @@ impl std::fmt::Display for BenchReport {
     }
 }
 
-/// The echo tool's `maxLength` for its text: the largest output the bench can ask for.
-pub const MAX_TOOL_OUTPUT_BYTES: usize = 4096;
+/// The largest tool output the bench can ask for (the tools' default output cap).
+pub const MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
+
+/// The bench's tool: `{"step": k, "bytes": n}` answers `{"text": …}` of n bytes. A short call
+/// with a long output, like a fetch or a search.
+struct Emit {
+    spec: ToolSpec,
+}
+
+impl Emit {
+    fn new() -> Self {
+        Emit {
+            spec: ToolSpec::new(
+                "emit",
+                "Return a text of the asked size (benchmark tool).",
+                json!({
+                    "type": "object",
+                    "properties": {
+                        "step": {"type": "integer", "minimum": 0},
+                        "bytes": {"type": "integer", "minimum": 0, "maximum": MAX_TOOL_OUTPUT_BYTES}
+                    },
+                    "required": ["step", "bytes"],
+                    "additionalProperties": false
+                }),
+            )
+            .effect(ToolEffect::Read)
+            // The envelope around the text must fit too.
+            .max_output_bytes(MAX_TOOL_OUTPUT_BYTES + 1024),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Tool for Emit {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, _ctx: &ToolContext, arguments: Value) -> Result<Value, ToolError> {
+        let step = arguments["step"].as_u64().unwrap_or(0) as u32;
+        let bytes = arguments["bytes"].as_u64().unwrap_or(0) as usize;
+        Ok(json!({ "text": step_text(step, bytes) }))
+    }
+}
 
 /// The echo text of step `turn`: `bytes` long when `bytes > 0`.
 fn step_text(turn: u32, bytes: usize) -> String {
@@ -227,6 +309,25 @@ fn cpu_time() -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
+/// Bytes per step of the run's stored transcript entries and events.
+async fn stored_bytes(store: &SharedStore, run: &RunId) -> Option<f64> {
+    let cp = store.load(run).await.ok()??;
+    let entries: usize = cp.transcript.iter().map(String::len).sum();
+    let mut events = 0usize;
+    let mut after = 0;
+    loop {
+        let page = store.read(run, after, 1_000).await.ok()?;
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        events += page
+            .iter()
+            .map(|e| serde_json::to_string(e).map_or(0, |j| j.len()))
+            .sum::<usize>();
+    }
+    let state = crate::runtime::actor::state_of(&cp).ok()?;
+    Some((entries + events) as f64 / f64::from(state.usage.tool_calls.max(1)))
+}
+
 /// Runs the benchmark on `store`.
 pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, String> {
     let steps = opts.steps;
@@ -240,6 +341,12 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     let last_call: Arc<DashMap<RunId, Instant>> = Arc::new(DashMap::new());
     let latencies: Arc<std::sync::Mutex<Vec<u32>>> = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (lc, lat) = (last_call.clone(), latencies.clone());
+    // Steps begun (model replies that call the tool), for the by-turn Redis figures.
+    let begun = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let begun_by_model = begun.clone();
+    // Turns counted per run here: once older turns are condensed, a request no longer shows
+    // how many there were.
+    let turns: Arc<DashMap<RunId, u32>> = Arc::new(DashMap::new());
     let model = ScriptedModel::from_fn("bench", move |req| {
         let now = Instant::now();
         if let Some(prev) = lc.insert(req.run_id.clone(), now)
@@ -247,7 +354,11 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         {
             l.push(now.duration_since(prev).as_micros().min(u32::MAX as u128) as u32);
         }
-        let turn = turn_of(req);
+        let turn = {
+            let mut n = turns.entry(req.run_id.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
         if park {
             return Ok(ModelReply {
                 text: None,
@@ -260,12 +371,13 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             });
         }
         Ok(if turn <= steps {
+            begun_by_model.fetch_add(1, Ordering::Relaxed);
             ModelReply {
                 text: None,
                 tool_calls: vec![ModelToolCall {
                     id: format!("c{turn}"),
-                    name: "echo".into(),
-                    arguments: json!({"text": step_text(turn, output_bytes)}).to_string(),
+                    name: "emit".into(),
+                    arguments: json!({"step": turn, "bytes": output_bytes}).to_string(),
                 }],
                 usage: Default::default(),
             }
@@ -279,7 +391,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     .with_delay(opts.model_delay);
     let mut registry = Registry::new();
     registry
-        .register(Arc::new(Echo::new()))
+        .register(Arc::new(Emit::new()))
         .map_err(|e| e.to_string())?;
     let mut config = RuntimeConfig::default();
     config.gateway.size = PoolSize {
@@ -290,13 +402,15 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         workers: opts.tool_workers,
         queue: opts.runs.max(1024) * 2,
     };
+    // Long runs with long outputs must not end on the token budget: steps are what is measured.
     let budget = Budget {
         max_turns: steps + 5,
         max_tool_calls: steps + 5,
+        max_tokens: u64::MAX / 2,
         ..Budget::default()
     };
     let agent = AgentSpec::new("bench", "bench")
-        .tools(["echo"])
+        .tools(["emit"])
         .budget(budget);
     let models: std::collections::HashMap<String, Arc<dyn ModelProvider>> = [(
         "bench".to_owned(),
@@ -306,7 +420,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     let runtime = Runtime::start(
         config,
         RuntimeParts {
-            store,
+            store: store.clone(),
             registry,
             models,
             agents: vec![agent],
@@ -320,6 +434,33 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     let redis_before = match &opts.redis_stats_url {
         Some(url) => Some(redis_traffic(url).await?),
         None => None,
+    };
+    // Redis's counters at each tenth of the steps begun.
+    let sampling_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = match (&opts.redis_stats_url, redis_before) {
+        (Some(url), Some(before)) if !park => {
+            let (url, begun, stop) = (url.clone(), begun.clone(), sampling_done.clone());
+            let total = opts.runs as u64 * u64::from(steps);
+            Some(tokio::spawn(async move {
+                let mut samples = vec![(0u64, before)];
+                for k in 1..=10u64 {
+                    let due = total * k / 10;
+                    while begun.load(Ordering::Relaxed) < due {
+                        if stop.load(Ordering::Relaxed) {
+                            return samples;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    let at = begun.load(Ordering::Relaxed);
+                    match redis_traffic(&url).await {
+                        Ok(t) => samples.push((at, t)),
+                        Err(_) => break,
+                    }
+                }
+                samples
+            }))
+        }
+        _ => None,
     };
     let baseline_rss = proc_status_kib("VmRSS:") * 1024;
     let cpu_before = cpu_time();
@@ -396,8 +537,43 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         }
         _ => None,
     };
+    // The last tenth's sample is read once every step has begun; the rest of its steps'
+    // commits came after, so that window is closed by the final reading.
+    let mut redis_by_turn = Vec::new();
+    sampling_done.store(true, Ordering::Relaxed);
+    if let (Some(task), Some(after)) = (sampler, redis) {
+        let mut samples = match tokio::time::timeout(Duration::from_secs(30), task).await {
+            Ok(Ok(s)) => s,
+            _ => Vec::new(),
+        };
+        if samples.len() == 11
+            && let (Some(before), Some(last)) = (redis_before, samples.last_mut())
+        {
+            last.1 = RedisTraffic {
+                input_bytes: before.input_bytes + after.input_bytes,
+                commands: before.commands + after.commands,
+            };
+            last.0 = opts.runs as u64 * u64::from(steps);
+            for (k, pair) in samples.windows(2).enumerate() {
+                let ((s0, t0), (s1, t1)) = (pair[0], pair[1]);
+                let n = s1.saturating_sub(s0).max(1) as f64;
+                let k = k as u32;
+                redis_by_turn.push((
+                    k * steps / 10 + 1,
+                    (k + 1) * steps / 10,
+                    t1.input_bytes.saturating_sub(t0.input_bytes) as f64 / n,
+                    t1.commands.saturating_sub(t0.commands) as f64 / n,
+                ));
+            }
+        }
+    }
+    let stored_per_step = match ids.first() {
+        Some(first) if !park => stored_bytes(&store, first).await,
+        _ => None,
+    };
     let mut succeeded = 0;
     let mut steps_done = 0u64;
+    let mut failures: std::collections::BTreeMap<String, usize> = Default::default();
     for id in &ids {
         let run = handle
             .get_run("bench", id)
@@ -405,6 +581,8 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             .map_err(|e| e.to_string())?;
         if run.status == Status::Succeeded || (park && run.status == Status::Cancelled) {
             succeeded += 1;
+        } else if let Some(e) = &run.error {
+            *failures.entry(format!("{}: {}", e.code, e.message)).or_insert(0) += 1;
         }
         steps_done += u64::from(run.usage.tool_calls);
     }
@@ -430,6 +608,9 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         transitions: metrics.transitions.load(Ordering::Relaxed),
         parked_rss,
         redis,
+        redis_by_turn,
+        stored_per_step,
+        failures: failures.into_iter().collect(),
     };
     runtime.shutdown(Duration::from_secs(30)).await;
     Ok(report)

@@ -239,8 +239,9 @@ pub enum Command {
     /// Configuration tools.
     #[command(subcommand)]
     Config(ConfigCommand),
-    /// Load generator: N concurrent runs of K tool steps on the scripted model and the echo
-    /// tool, in this process; prints steps per second, step latency and memory per run.
+    /// Load generator: N concurrent runs of K tool steps on the scripted model and a tool
+    /// with outputs of a chosen size, in this process; prints steps per second, step latency,
+    /// memory per run, and on Redis the bytes and commands per step, by turn.
     Bench(BenchArgs),
     /// Print a shell completion script: `agentd completions bash > /etc/bash_completion.d/agentd`.
     Completions {
@@ -274,8 +275,9 @@ pub struct BenchArgs {
     /// Measure memory instead: park every run in waiting_input, sample RSS, cancel them.
     #[arg(long)]
     pub park: bool,
-    /// Bytes of each tool output, at most 4096 (0: a short text). On a redis:// store, bytes and commands
-    /// Redis received per step are printed (from INFO; other clients of the server count too).
+    /// Bytes of each tool output, at most 65536 (0: a short text). On a redis:// store, bytes
+    /// and commands Redis received per step are printed, in all and for each tenth of the
+    /// turns (from INFO; other clients of the server count too).
     #[arg(long, default_value_t = 0)]
     pub tool_output_bytes: usize,
 }
