@@ -42,11 +42,13 @@ use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 /// Why the configured parts could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    /// A configured part could not be built: a store that does not open, a tool or model
-    /// whose settings do not work, an MCP server that does not start or lacks a listed tool.
+    /// A configured part could not be built: a store that does not open; a tool, model, agent
+    /// `output_schema`, redaction pattern or `public_url` that does not work; an MCP server
+    /// that does not start or lacks a listed tool.
     #[error("{key}: {message}")]
     Invalid {
-        /// The configuration key of the part (`store.url`, `tools.deploy`, …).
+        /// The configuration key at fault (`store.url`, `tools.deploy.url`,
+        /// `secrets.patterns[0]`, …).
         key: String,
         /// What went wrong.
         message: String,
