@@ -17,8 +17,9 @@ pub struct CreateRunRequest {
     pub agent: String,
     /// The goal: text or any JSON value.
     pub input: Value,
-    /// Client key, 1 to 255 printable ASCII characters: a repeat with the same key returns the
-    /// run it made (200) instead of a new one.
+    /// Client key, 1 to 255 printable ASCII characters without spaces: a repeat with the same
+    /// key returns the run it made (200) instead of a new one; with another agent or input it
+    /// is `422 idempotency_key_mismatch`.
     #[serde(default)]
     pub idempotency_key: Option<String>,
     /// Limits for this run, each capped by the daemon's `limits`; `None`: the agent's defaults.
@@ -213,7 +214,7 @@ pub struct CompensationDto {
     /// `pending`, `dispatched`, `reconciling` (while it runs); `done`, `failed`, `skipped`,
     /// `outcome_unknown` (final).
     pub status: String,
-    /// Times it was dispatched so far.
+    /// Times it was sent to the tool so far.
     pub attempts: u32,
     /// The compensating tool's error (`failed`, `outcome_unknown`).
     pub error: Option<crate::tool::ToolError>,
