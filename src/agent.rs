@@ -14,15 +14,21 @@ use crate::tool::registry::{AgentTools, Registry};
 /// An agent as configured.
 #[derive(Debug, Clone)]
 pub struct AgentSpec {
+    /// The agent's name (`^[a-zA-Z0-9_-]{1,64}$`), what a run is created with.
     pub name: String,
     /// Key of the model provider.
     pub model: String,
+    /// The system message of every request (none when empty).
     pub instructions: String,
+    /// Allow-list of registered tool names; the compensating tools of those are allowed
+    /// implicitly.
     pub tools: Vec<String>,
     /// Budget defaults; `deadline_ms` here is ignored, see `deadline`.
     pub budget: Budget,
     /// Wall-clock limit of a run, from its creation.
     pub deadline: Option<Duration>,
+    /// Checks a candidate final answer must pass, in order; the first rejection sends the run
+    /// back to the model.
     pub verifiers: Vec<Verifier>,
     /// Size of each model request (see `context`).
     pub context: ContextBudget,
@@ -35,6 +41,8 @@ pub struct AgentSpec {
 }
 
 impl AgentSpec {
+    /// An agent on model provider `model` with no instructions, no tools, the default budget
+    /// and context, no deadline or verifiers, and `ask_user` offered.
     pub fn new(name: impl Into<String>, model: impl Into<String>) -> Self {
         AgentSpec {
             name: name.into(),
@@ -57,31 +65,37 @@ impl AgentSpec {
         self
     }
 
+    /// Whether the model is offered `ask_user`.
     pub fn ask_user(mut self, offered: bool) -> Self {
         self.ask_user = offered;
         self
     }
 
+    /// Sets the system message.
     pub fn instructions(mut self, text: impl Into<String>) -> Self {
         self.instructions = text.into();
         self
     }
 
+    /// Replaces the allow-list of tools.
     pub fn tools<S: Into<String>>(mut self, tools: impl IntoIterator<Item = S>) -> Self {
         self.tools = tools.into_iter().map(Into::into).collect();
         self
     }
 
+    /// Sets the budget defaults (its `deadline_ms` is ignored; see [`AgentSpec::deadline`]).
     pub fn budget(mut self, budget: Budget) -> Self {
         self.budget = budget;
         self
     }
 
+    /// Sets the wall-clock limit of each run, from its creation.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
         self
     }
 
+    /// Sets the size of each model request.
     pub fn context(mut self, budget: ContextBudget) -> Self {
         // Whether the notes offer `read_output` follows whether the agent offers it.
         self.context = ContextBudget {
@@ -91,6 +105,7 @@ impl AgentSpec {
         self
     }
 
+    /// Adds a verifier after the ones already set.
     pub fn verifier(mut self, v: Verifier) -> Self {
         self.verifiers.push(v);
         self
@@ -100,8 +115,17 @@ impl AgentSpec {
 /// Why an agent cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
+    /// The agent lists a tool (or a listed tool names a compensating tool) that the registry
+    /// does not hold.
     #[error("agent `{agent}` uses tool `{tool}`, which is not registered")]
-    UnknownTool { agent: String, tool: String },
+    UnknownTool {
+        /// The agent's name.
+        agent: String,
+        /// The missing tool.
+        tool: String,
+    },
+    /// The agent's name (carried) is empty, longer than 64 bytes or has other characters than
+    /// ASCII letters, digits, `_` and `-`.
     #[error("agent name `{0}` must match ^[a-zA-Z0-9_-]{{1,64}}$")]
     BadName(String),
 }
@@ -109,8 +133,12 @@ pub enum Error {
 /// An agent ready for runs: its spec, its view of the tools and the definitions offered.
 #[derive(Debug)]
 pub struct Agent {
+    /// The agent as configured.
     pub spec: AgentSpec,
+    /// The registry as this agent sees it: only its allow-listed tools.
     pub tools: AgentTools,
+    /// The tool definitions offered to the model with every request (`ask_user` included
+    /// when offered).
     pub definitions: Arc<[ToolDefinition]>,
     /// Digest of what a run depends on (model, instructions, tool schemas, budgets): a run
     /// records it at creation, and a node whose definition differs does not take the run over.

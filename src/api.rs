@@ -46,14 +46,19 @@ use error::ApiError;
 /// What every handler can reach.
 #[derive(Clone)]
 pub struct AppState {
+    /// The runtime the handlers act on.
     pub runtime: RuntimeHandle,
+    /// The configured tokens, checked on every `/v1` tenant route.
     pub auth: Arc<Auth>,
+    /// Request limits (`[limits]`): body and page sizes, budget caps, the request timeout.
     pub limits: Arc<LimitsConfig>,
+    /// Interval of the keep-alive comment on SSE streams (`server.sse_keep_alive`).
     pub sse_keep_alive: Duration,
     /// False while starting and once shutdown begins (`/readyz` answers 503).
     pub ready: Arc<AtomicBool>,
     /// Cancelled when shutdown begins: SSE streams end.
     pub shutdown: CancellationToken,
+    /// HTTP request counters, rendered into `/metrics`.
     pub http: Arc<HttpMetrics>,
     /// Open SSE streams per tenant (bounded by `limits.max_streams_per_tenant`).
     pub open_streams: Arc<DashMap<String, usize>>,
@@ -62,6 +67,7 @@ pub struct AppState {
 /// One route of the API. The router, the OpenAPI test and the tenant-isolation test are all
 /// driven by [`ROUTES`].
 pub struct Route {
+    /// The HTTP method in capitals (`GET`, `POST`).
     pub method: &'static str,
     /// axum path syntax (`/v1/runs/{id}`), identical to the OpenAPI path.
     pub path: &'static str,

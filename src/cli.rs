@@ -141,16 +141,26 @@ fn arg_or_stdin(value: String, what: &str) -> anyhow::Result<String> {
 }
 
 /// How results are printed.
+// The variants' docs are for readers of the API: `help = None` keeps `--help` as it was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Output {
+    /// Tables and lines for people.
+    #[value(help = None)]
     Table,
+    /// JSON for scripts (errors too).
+    #[value(help = None)]
     Json,
 }
 
 /// Log line format of `serve`.
+// The variants' docs are for readers of the API: `help = None` keeps `--help` as it was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
+    /// Human-readable lines.
+    #[value(help = None)]
     Text,
+    /// One JSON object per line.
+    #[value(help = None)]
     Json,
 }
 
@@ -211,10 +221,12 @@ pub struct Cli {
         help_heading = "Global options"
     )]
     pub log_format: LogFormat,
+    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// The commands of `agentd`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the daemon. Without --config: the built-in demo (agents `demo`, `demo_approval` and `demo_input`,
@@ -252,6 +264,7 @@ pub enum Command {
     Version,
 }
 
+/// `agentd bench`: the in-process load generator.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Concurrent runs.
@@ -282,6 +295,7 @@ pub struct BenchArgs {
     pub tool_output_bytes: usize,
 }
 
+/// `agentd serve`: where the configuration comes from, and what overrides it.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// TOML configuration file (see config/default.toml).
@@ -299,6 +313,7 @@ pub struct ServeArgs {
     pub create_store: bool,
 }
 
+/// `agentd run`: the run to start, and whether to follow it.
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The agent to run (`agentd agents` lists them).
@@ -331,6 +346,7 @@ pub struct RunArgs {
     pub deadline: Option<String>,
 }
 
+/// `agentd runs …`: inspect and control runs.
 #[derive(Debug, Subcommand)]
 pub enum RunsCommand {
     /// The tenant's runs, newest first.
@@ -419,9 +435,11 @@ pub enum RunsCommand {
     },
 }
 
+/// `agentd approvals [list|approve|reject|fail]`: without a subcommand, the list.
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct ApprovalsArgs {
+    /// The action; `None`: list the inbox with `limit` and `cursor`.
     #[command(subcommand)]
     pub command: Option<ApprovalsCommand>,
     /// Most calls to list (the daemon caps it at limits.max_page_size).
@@ -432,6 +450,7 @@ pub struct ApprovalsArgs {
     pub cursor: Option<String>,
 }
 
+/// `agentd approvals …`: list the inbox or decide one call.
 #[derive(Debug, Subcommand)]
 pub enum ApprovalsCommand {
     /// List the calls waiting for an operator, oldest first (the default).
@@ -478,6 +497,7 @@ pub enum ApprovalsCommand {
     },
 }
 
+/// `agentd config …`: configuration tools.
 #[derive(Debug, Subcommand)]
 pub enum ConfigCommand {
     /// Report every problem `serve` would refuse, or print the effective configuration

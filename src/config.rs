@@ -31,12 +31,27 @@ pub const BUILTINS: &[&str] = &["echo", "add", "counting"];
 /// What is wrong with a configuration. Messages name the key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
+    /// The config file could not be read.
     #[error("could not read config file {path}: {message}")]
-    Read { path: String, message: String },
+    Read {
+        /// The file as given.
+        path: String,
+        /// The I/O error.
+        message: String,
+    },
+    /// Not TOML, or TOML that does not fit the `Config` tree (wrong type, unknown key), after
+    /// environment overrides; also a failure to print the configuration.
     #[error("invalid config: {0}")]
     Parse(String),
+    /// A value that parses but is not allowed.
     #[error("{key}: {message}")]
-    Invalid { key: String, message: String },
+    Invalid {
+        /// The key, as written in the file (`tools.deploy.url`, `tenants[0].tokens[1]`) or
+        /// the environment variable of a malformed override.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 fn invalid(key: impl Into<String>, message: impl Into<String>) -> Error {
@@ -94,15 +109,25 @@ fn pointer_fits(schema: &Value, pointer: &str) -> Result<(), String> {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// `[server]`: the HTTP listener, shutdown and callback URL.
     pub server: ServerConfig,
+    /// `[store]`: where runs are kept.
     pub store: StoreConfig,
+    /// `[[tenants]]`: who may call the API, with which tokens. A file must define at least one.
     pub tenants: Vec<TenantConfig>,
+    /// `[models.NAME]`: model providers by name (what an agent's `model` names).
     pub models: BTreeMap<String, ModelConfig>,
+    /// `[tools.NAME]`: tools by the name the model calls (an MCP entry is a whole server).
     pub tools: BTreeMap<String, ToolConfig>,
+    /// `[agents.NAME]`: agents by the name a run is created with.
     pub agents: BTreeMap<String, AgentConfig>,
+    /// `[runtime]`: pools, retries, leases and run policies.
     pub runtime: RuntimeSection,
+    /// `[limits]`: bounds of the HTTP edge and per-tenant quotas.
     pub limits: LimitsConfig,
+    /// `[secrets]`: extra values and patterns to redact.
     pub secrets: SecretsConfig,
+    /// `[telemetry]`: OTLP traces and the tenant label of metrics.
     pub telemetry: TelemetrySection,
 }
 
@@ -315,11 +340,13 @@ impl Secret {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
+    /// The tenant's id (`^[a-zA-Z0-9_-]{1,64}$`, unique); runs are kept under it.
     pub id: String,
     /// The agents this tenant may see and run; `None`: every agent. Another agent is
     /// `unknown_agent` to it, exactly like a missing one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agents: Option<Vec<String>>,
+    /// Its bearer tokens, at least one, each at least 16 characters and configured once only.
     pub tokens: Vec<TokenConfig>,
 }
 
@@ -328,7 +355,9 @@ pub struct TenantConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum TokenConfig {
+    /// `"a-long-random-token"` or `"env:NAME"`: every scope, no name.
     Plain(Secret),
+    /// `{ name = …, token = …, scopes = […] }`.
     Named(NamedToken),
 }
 
@@ -336,13 +365,19 @@ pub enum TokenConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NamedToken {
+    /// Who the token is (`^[a-zA-Z0-9_-]{1,64}$`, unique within the tenant), recorded as who
+    /// decided an approval.
     pub name: String,
+    /// The token itself, literal or `env:NAME`.
     pub token: Secret,
+    /// The scopes it grants (each also grants what it prefixes up to a `:`); `None`: every
+    /// scope.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scopes: Option<Vec<String>>,
 }
 
 impl TokenConfig {
+    /// The token, as configured (not yet resolved).
     pub fn secret(&self) -> &Secret {
         match self {
             TokenConfig::Plain(s) => s,
@@ -350,6 +385,7 @@ impl TokenConfig {
         }
     }
 
+    /// The token's name; `None` for a plain token.
     pub fn name(&self) -> Option<&str> {
         match self {
             TokenConfig::Plain(_) => None,
@@ -386,7 +422,9 @@ impl From<Secret> for TokenConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelKind {
+    /// An OpenAI-compatible Chat Completions server (`base_url` and `model` required).
     Openai,
+    /// Replies from a cassette, inline `replies` or `rules`, or a built-in demo `script`.
     Scripted,
 }
 
@@ -394,6 +432,7 @@ pub enum ModelKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
+    /// Which provider this is.
     pub kind: ModelKind,
     /// openai: base URL of the Chat Completions API.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -401,12 +440,16 @@ pub struct ModelConfig {
     /// openai: the model name sent upstream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// openai: sent as a bearer token (literal or `env:NAME`); never logged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
+    /// Requests per minute to this model, shared by every run; `None`: no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests_per_minute: Option<NonZeroU32>,
+    /// Tokens per minute to this model, shared by every run; `None`: no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<NonZeroU32>,
+    /// openai: per attempt; `None`: `runtime.model_timeout`, which bounds every attempt anyway.
     #[serde(
         default,
         with = "crate::config_duration::option",
@@ -480,8 +523,12 @@ impl ModelConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolKind {
+    /// Calls are POSTed to `url` with an `Idempotency-Key`.
     Http,
+    /// One MCP server (stdio `command` or streamable-HTTP `url`); each of its tools is
+    /// registered as `<key>__<tool>`.
     Mcp,
+    /// A tool built into agentd (`builtin`: `echo`, `add`, `counting`).
     Builtin,
 }
 
@@ -489,6 +536,7 @@ pub enum ToolKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolConfig {
+    /// How the tool is reached.
     pub kind: ToolKind,
     /// http: the URL calls are POSTed to; mcp: a streamable-HTTP server URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -496,6 +544,7 @@ pub struct ToolConfig {
     /// http: `GET` with the same `Idempotency-Key` reconciles an unknown outcome.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_url: Option<String>,
+    /// What the model is told the tool does; `None`: the tool's own (builtin) or empty.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     /// JSON Schema of the arguments.
@@ -523,6 +572,7 @@ pub struct ToolConfig {
     /// http, mcp (url): sent as `Authorization: Bearer …`; literal or `env:NAME`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bearer_token: Option<Secret>,
+    /// Bound on one call (default 30s; builtin echo/add 5s).
     #[serde(
         default,
         with = "crate::config_duration::option",
@@ -559,6 +609,7 @@ pub struct ToolConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub poll_interval: Option<Duration>,
+    /// http: the longest wait between two polls of an accepted call (default 30s).
     #[serde(
         default,
         with = "crate::config_duration::option",
@@ -576,6 +627,7 @@ pub struct ToolConfig {
     /// mcp (stdio): the server's command and arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command: Option<String>,
+    /// mcp (stdio): the arguments of `command`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub args: Vec<String>,
     /// mcp: per-tool effect overrides, keyed by the tool's name on the server.
@@ -618,7 +670,11 @@ pub struct ToolConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompensateConfig {
+    /// The compensating tool: a key of `[tools]`, needing no approval and with no
+    /// `compensate` of its own.
     pub tool: String,
+    /// Its arguments by name: a JSON Pointer string, or `{ value = … }`; every required
+    /// argument of `tool` must be mapped.
     #[serde(default)]
     pub arguments: BTreeMap<String, Value>,
 }
@@ -685,17 +741,24 @@ impl ToolConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
+    /// The model provider: a key of `[models]`.
     pub model: String,
+    /// The system message.
     #[serde(default)]
     pub instructions: String,
+    /// Allow-list of tools: keys of `[tools]` (an MCP server's key offers all its tools).
     #[serde(default)]
     pub tools: Vec<String>,
+    /// Default model-call budget of a run (a run may ask for another, up to `limits`).
     #[serde(default = "default_max_turns")]
     pub max_turns: u32,
+    /// Default tool-call budget of a run.
     #[serde(default = "default_max_tool_calls")]
     pub max_tool_calls: u32,
+    /// Default token budget of a run (input plus output tokens).
     #[serde(default = "default_max_tokens")]
     pub max_tokens: u64,
+    /// Default wall-clock limit of a run, from its creation; `None`: no deadline.
     #[serde(
         default,
         with = "crate::config_duration::option",
@@ -744,6 +807,7 @@ fn default_max_tokens() -> u64 {
 }
 
 impl AgentConfig {
+    /// An agent on the model named `model`, with no tools and every other key at its default.
     pub fn new(model: &str) -> Self {
         AgentConfig {
             model: model.into(),
@@ -772,7 +836,9 @@ pub struct RuntimeSection {
     pub node_id: Option<String>,
     /// Runs this node keeps live at once; new runs beyond that wait for any node with room.
     pub max_live_runs: usize,
+    /// Model calls in flight at once, across every run.
     pub model_workers: usize,
+    /// Model calls queued beyond `model_workers`; more are shed.
     pub model_queue: usize,
     /// Model calls of one tenant in the workers at once (0 = no cap; tenants are always
     /// served round-robin).
@@ -780,16 +846,23 @@ pub struct RuntimeSection {
     /// Per model attempt.
     #[serde(with = "crate::config_duration")]
     pub model_timeout: Duration,
+    /// Attempts per model request, the first included.
     pub model_max_attempts: u32,
+    /// First wait of the jittered exponential backoff between model attempts.
     #[serde(with = "crate::config_duration")]
     pub model_retry_base: Duration,
+    /// Longest wait between two model attempts.
     #[serde(with = "crate::config_duration")]
     pub model_retry_max: Duration,
     /// Model retries stop this long after a request's first failed attempt.
     #[serde(with = "crate::config_duration")]
     pub model_retry_window: Duration,
+    /// Tool calls in flight at once, across every run.
     pub tool_workers: usize,
+    /// Tool calls queued beyond `tool_workers`.
     pub tool_queue: usize,
+    /// Lifetime of a run's ownership lease, renewed every quarter of it; a dead node's runs
+    /// move to other nodes once it lapses.
     #[serde(with = "crate::config_duration")]
     pub lease_ttl: Duration,
     /// How long a control request waits for the run to apply it.
@@ -799,11 +872,18 @@ pub struct RuntimeSection {
     /// actor; "0s" = never.
     #[serde(with = "crate::config_duration")]
     pub passivate_after: Duration,
+    /// `[runtime.restart]`: restarts of a crashing run.
     pub restart: RestartSection,
+    /// Malformed model replies in a row before the run fails `invalid_model_output`.
     pub max_corrections: u32,
+    /// `overloaded` answers of the model pool in a row before `model_unavailable`.
     pub max_model_retries: u32,
+    /// Verifier rejections of the final answer before `verification_failed`.
     pub max_verify_rejections: u32,
+    /// Resends of an idempotent call whose outcome is unknown, or of a call the tool pool
+    /// was too busy to take.
     pub max_tool_retries: u32,
+    /// Inputs held for a busy run; more are refused (`input_queue_full`).
     pub max_queued_input: usize,
     /// No-progress detection: the same call this many times.
     pub repeat_limit: u32,
@@ -857,10 +937,13 @@ impl Default for RuntimeSection {
 pub struct RestartSection {
     /// Crashes allowed within `window`; one more fails the run.
     pub max_restarts: u32,
+    /// How far back crashes are counted.
     #[serde(with = "crate::config_duration")]
     pub window: Duration,
+    /// Wait before the first restart; it doubles with each further one (±20 % jitter).
     #[serde(with = "crate::config_duration")]
     pub backoff_base: Duration,
+    /// Longest wait before a restart.
     #[serde(with = "crate::config_duration")]
     pub backoff_max: Duration,
 }
@@ -896,12 +979,16 @@ pub struct LimitsConfig {
     pub max_active_runs_per_tenant: usize,
     /// Open SSE event streams per tenant; more are refused with 429. 0 = no limit.
     pub max_streams_per_tenant: usize,
-    /// Largest `limit` of `GET /v1/runs`.
+    /// Largest `limit` of the paged lists (`GET /v1/runs`, `/v1/runs/{id}/messages`,
+    /// `/v1/approvals`).
     pub max_page_size: usize,
-    /// Caps on the budget a client may ask for.
+    /// Caps on the budget a client may ask for: the most `budget.max_turns` (422 above).
     pub max_turns: u32,
+    /// The most `budget.max_tool_calls` a client may ask for.
     pub max_tool_calls: u32,
+    /// The most `budget.max_tokens` a client may ask for.
     pub max_tokens: u64,
+    /// The longest `budget.deadline` a client may ask for.
     #[serde(with = "crate::config_duration")]
     pub max_deadline: Duration,
 }

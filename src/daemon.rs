@@ -39,12 +39,17 @@ pub struct Embedded {
 /// Why the daemon could not start or serve.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The configuration does not validate, or its tenant tokens do not resolve.
     #[error(transparent)]
     Config(#[from] config::Error),
+    /// The store, a tool, a model or the callback settings could not be built from it.
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// The runtime did not start (e.g. an agent names an unknown model or tool, the node id
+    /// is taken, the runs to recover could not be read).
     #[error("could not start the runtime: {0}")]
     Start(#[from] StartError),
+    /// The listener's address could not be read, or the HTTP server failed or panicked.
     #[error("the HTTP server failed: {0}")]
     Serve(#[from] std::io::Error),
 }

@@ -54,6 +54,7 @@ impl Drop for Subscription {
 }
 
 impl Hub {
+    /// A hub with no channels.
     pub fn new() -> Self {
         Self::default()
     }
@@ -77,6 +78,7 @@ impl Hub {
         self.channels.len()
     }
 
+    /// Whether no run has a channel.
     pub fn is_empty(&self) -> bool {
         self.channels.is_empty()
     }

@@ -11,10 +11,13 @@ pub const MAX_ID_LEN: usize = 128;
 /// Why a string is not a valid id.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
+    /// Empty, or longer than [`MAX_ID_LEN`] bytes.
     #[error("id is empty or longer than {MAX_ID_LEN} bytes")]
     Length,
+    /// Does not start with the id type's prefix (carried), or is the bare prefix.
     #[error("id must start with `{0}`")]
     Prefix(&'static str),
+    /// Holds a byte other than an ASCII letter, digit, `_` or `-`.
     #[error("id may contain only ASCII letters, digits, `_` and `-`")]
     Charset,
 }
@@ -40,6 +43,7 @@ pub fn check_id_charset(s: &str) -> Result<(), IdError> {
 pub struct RunId(String);
 
 impl RunId {
+    /// What every run id starts with.
     pub const PREFIX: &'static str = "run_";
 
     /// A new, time-ordered run id.
@@ -47,6 +51,7 @@ impl RunId {
         RunId(format!("{}{}", Self::PREFIX, uuid::Uuid::now_v7().simple()))
     }
 
+    /// The id as text, prefix included.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -95,12 +100,15 @@ impl fmt::Debug for RunId {
 pub struct CallId(String);
 
 impl CallId {
+    /// What every call id starts with.
     pub const PREFIX: &'static str = "call_";
 
+    /// The id of call number `index` (from 0, in the model's order) of model turn `turn`.
     pub fn new(turn: u32, index: usize) -> Self {
         CallId(format!("{}{turn}_{index}", Self::PREFIX))
     }
 
+    /// The id as text, prefix included.
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -39,9 +39,13 @@ pub struct PoolSize {
 /// Counters of one pool, read by `/metrics` and the benchmark.
 #[derive(Debug, Default)]
 pub struct PoolStats {
+    /// Jobs handed to `submit`, shed ones included.
     pub submitted: AtomicU64,
+    /// Jobs a worker began.
     pub started: AtomicU64,
+    /// Jobs a worker completed.
     pub finished: AtomicU64,
+    /// Jobs handed back as `overloaded`: the queue was full or the pool stopped.
     pub shed: AtomicU64,
 }
 
@@ -54,6 +58,7 @@ impl PoolStats {
         submitted.saturating_sub(started + shed)
     }
 
+    /// Jobs started but not yet finished.
     pub fn in_flight(&self) -> u64 {
         self.started
             .load(Ordering::Relaxed)
@@ -193,10 +198,12 @@ impl<J: PoolJob> Pool<J> {
         }
     }
 
+    /// The pool's counters, shared with its workers.
     pub fn stats(&self) -> &Arc<PoolStats> {
         &self.stats
     }
 
+    /// The name it was started with (`model`, `tool`).
     pub fn name(&self) -> &'static str {
         self.name
     }
@@ -211,6 +218,7 @@ impl<J: PoolJob> Pool<J> {
 pub struct ReplyOnce<T>(Option<Box<dyn FnOnce(T) + Send + Sync>>);
 
 impl<T> ReplyOnce<T> {
+    /// A reply that calls `f` with the value, once.
     pub fn new(f: impl FnOnce(T) + Send + Sync + 'static) -> Self {
         ReplyOnce(Some(Box::new(f)))
     }

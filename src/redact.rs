@@ -45,7 +45,9 @@ pub const DEFAULT_VALUE_PATTERNS: &[&str] = &[
 #[derive(Debug, thiserror::Error)]
 #[error("invalid redaction pattern {pattern:?}: {reason}")]
 pub struct PatternError {
+    /// The pattern as given.
     pub pattern: String,
+    /// The regex compiler's error.
     pub reason: String,
 }
 
@@ -335,6 +337,8 @@ pub struct RedactingWriter<W: std::io::Write> {
 }
 
 impl<W: std::io::Write> RedactingWriter<W> {
+    /// A writer in front of `inner`, with nothing buffered; lines are redacted with the
+    /// installed log redactor (the default patterns before one is installed).
     pub fn new(inner: W) -> Self {
         RedactingWriter {
             inner,

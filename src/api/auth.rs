@@ -22,6 +22,7 @@ pub struct Tenant(pub Arc<str>);
 /// Who a request acts for (a request extension on `/v1` routes, next to [`Tenant`]).
 #[derive(Debug, Clone)]
 pub struct Principal {
+    /// The tenant the token belongs to; every run it touches must be this tenant's.
     pub tenant: Arc<str>,
     /// The token's configured `name` (recorded as who decided an approval); plain tokens have
     /// none. Never the token itself.

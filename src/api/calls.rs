@@ -27,17 +27,24 @@ const MAX_CODE_BYTES: usize = 64;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CallResultRequest {
+    /// Whether the call succeeded; `false` needs `error`, `true` refuses it.
     pub ok: bool,
+    /// What the call returned when `ok` (absent: `null`).
     #[serde(default)]
     pub data: Option<Value>,
+    /// Why the call failed, when not `ok`.
     #[serde(default)]
     pub error: Option<CallErrorBody>,
 }
 
+/// The `error` of a failed call's result, as the tool reports it.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CallErrorBody {
+    /// A tool error code (`failed`, `timeout`, …), at most 64 bytes; an unknown one is recorded
+    /// as `failed`, with this code at the front of the message.
     pub code: String,
+    /// What went wrong, for the model and the run's events.
     pub message: String,
 }
 

@@ -13,13 +13,19 @@ use crate::store::EventRecord;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateRunRequest {
+    /// Name of a configured agent the token may use (another tenant's agent answers as unknown).
     pub agent: String,
     /// The goal: text or any JSON value.
     pub input: Value,
+    /// Client key, 1 to 255 printable ASCII characters without spaces: a repeat with the same
+    /// key returns the run it made (200) instead of a new one; with another agent or input it
+    /// is `422 idempotency_key_mismatch`.
     #[serde(default)]
     pub idempotency_key: Option<String>,
+    /// Limits for this run, each capped by the daemon's `limits`; `None`: the agent's defaults.
     #[serde(default, deserialize_with = "budget_object")]
     pub budget: Option<BudgetRequest>,
+    /// Any JSON kept with the run and shown back on it, bounded by `limits.max_metadata_bytes`.
     #[serde(default)]
     pub metadata: Option<Value>,
 }
@@ -63,10 +69,13 @@ fn budget_object<'de, D: serde::Deserializer<'de>>(
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetRequest {
+    /// Most model calls (turns), from 1 to `limits.max_turns`.
     #[serde(default)]
     pub max_turns: Option<u32>,
+    /// Most tool calls dispatched, from 1 to `limits.max_tool_calls`.
     #[serde(default)]
     pub max_tool_calls: Option<u32>,
+    /// Most input plus output tokens, from 1 to `limits.max_tokens`.
     #[serde(default)]
     pub max_tokens: Option<u64>,
     /// From the run's creation, e.g. "5m".
@@ -78,6 +87,7 @@ pub struct BudgetRequest {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CancelRequest {
+    /// Why, at most 4096 bytes; recorded in the `run_cancelled` event.
     #[serde(default)]
     pub reason: Option<String>,
 }
@@ -86,7 +96,11 @@ pub struct CancelRequest {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Decision {
+    /// Run the call, or send it again (a held or `outcome_unknown` call), with `arguments` in
+    /// place of the model's when given.
     Approve,
+    /// Do not run the call: the model gets an error result for it (`approval_denied`, or
+    /// `skipped` for a held call) and the run goes on.
     Reject,
     /// End the run `failed` (e.g. a tool that keeps failing will not recover).
     Fail,
@@ -96,10 +110,12 @@ pub enum Decision {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecisionRequest {
+    /// What to do with the call.
     pub decision: Decision,
+    /// Why, at most 4096 bytes; with `fail`, it goes into the run error's message.
     #[serde(default)]
     pub reason: Option<String>,
-    /// Approve with edited arguments (validated again).
+    /// Approve with edited arguments (validated again); refused with any other decision.
     #[serde(default)]
     pub arguments: Option<Value>,
 }
@@ -108,18 +124,23 @@ pub struct DecisionRequest {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InputRequest {
+    /// The answer or message for the model: not empty, at most `limits.max_input_text_bytes`.
     pub text: String,
 }
 
 /// `GET /v1/runs` query.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ListQuery {
+    /// Only runs with this status (`created`, `running`, …); an unknown one is `400`.
     #[serde(default)]
     pub status: Option<String>,
+    /// Only runs of this agent.
     #[serde(default)]
     pub agent: Option<String>,
+    /// Page size, from 1; default 20, capped at `limits.max_page_size`.
     #[serde(default)]
     pub limit: Option<usize>,
+    /// The `next_cursor` of the previous page; `None`: the newest runs.
     #[serde(default)]
     pub cursor: Option<String>,
 }
@@ -127,8 +148,10 @@ pub struct ListQuery {
 /// `GET /v1/runs/{id}/events` query.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct EventsQuery {
+    /// Only events with a larger seq; `None`: from the first. With SSE, `Last-Event-ID` wins.
     #[serde(default)]
     pub after: Option<u64>,
+    /// Most events returned (JSON only), from 1; default and cap 1000.
     #[serde(default)]
     pub limit: Option<usize>,
 }
@@ -136,26 +159,37 @@ pub struct EventsQuery {
 /// Token and call counts of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UsageDto {
+    /// Model calls made (one per turn).
     pub turns: u32,
+    /// Tool calls dispatched.
     pub tool_calls: u32,
+    /// Prompt tokens the provider reported, summed over the run's model calls.
     pub input_tokens: u64,
+    /// Completion tokens the provider reported, summed over the run's model calls.
     pub output_tokens: u64,
 }
 
 /// A run's limits; `deadline` is an RFC 3339 time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BudgetDto {
+    /// Most model calls (turns).
     pub max_turns: u32,
+    /// Most tool calls dispatched.
     pub max_tool_calls: u32,
+    /// Most input plus output tokens.
     pub max_tokens: u64,
+    /// When the run fails `budget_exceeded`; `None`: no deadline.
     pub deadline: Option<String>,
 }
 
 /// A call waiting for an operator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingApprovalDto {
+    /// agentd's id of the call (`call_<turn>_<index>`), the `{call_id}` of the decision route.
     pub call_id: String,
+    /// The tool the call is for.
     pub tool: String,
+    /// The arguments the call would run with (redacted).
     pub arguments: Value,
     /// `approval` (the tool needs one), `outcome_unknown` (a crash left it unknown),
     /// `tool_failing` (the tool keeps failing) or `permission_error` (the tool refused it).
@@ -169,14 +203,18 @@ pub struct CompensationDto {
     pub call_id: String,
     /// The call it undoes, and that call's tool.
     pub for_call: String,
+    /// The tool of the call it undoes (`for_call`).
     pub for_tool: String,
+    /// The tool that undoes it (the `compensate` rule's tool).
     pub tool: String,
+    /// The compensating call's arguments (redacted).
     pub arguments: Value,
     /// Its `Idempotency-Key` (derived from the original call's).
     pub key: String,
     /// `pending`, `dispatched`, `reconciling` (while it runs); `done`, `failed`, `skipped`,
     /// `outcome_unknown` (final).
     pub status: String,
+    /// Times it was sent to the tool so far.
     pub attempts: u32,
     /// The compensating tool's error (`failed`, `outcome_unknown`).
     pub error: Option<crate::tool::ToolError>,
@@ -187,27 +225,42 @@ pub struct CompensationDto {
 /// While a run is compensating: how it ends once its compensations are over.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EndingDto {
+    /// `cancelled` or `failed`.
     pub status: String,
+    /// The error it ends `failed` with (redacted); `None` for a cancel.
     pub error: Option<RunError>,
 }
 
 /// The run as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunDto {
+    /// The run id (`run_…`).
     pub id: String,
+    /// The agent it runs.
     pub agent: String,
     /// The goal as given (text or JSON).
     #[serde(default)]
     pub input: Value,
+    /// `created`, `running`, `waiting_approval`, `waiting_input`, `succeeded`, `failed` or
+    /// `cancelled`.
     pub status: String,
+    /// Where a `running` run is in its step (`awaiting_model`, `executing_tools`,
+    /// `compensating`, …); `None` in the other statuses.
     pub phase: Option<String>,
+    /// Model turns started.
     pub turn: u32,
+    /// What the run has used so far.
     pub usage: UsageDto,
+    /// The run's limits.
     pub budget: BudgetDto,
+    /// Calls waiting for an operator; always empty once the run ended or is ending.
     pub pending_approvals: Vec<PendingApprovalDto>,
     /// The model's question while `waiting_input`.
     pub awaiting_input: Option<String>,
+    /// The final answer (redacted); also set on `budget_exceeded` when the reserve turn
+    /// answered.
     pub output: Option<Value>,
+    /// Why the run `failed` (redacted).
     pub error: Option<RunError>,
     /// The compensating calls of its successful calls (see docs/api.md, "Compensation").
     #[serde(default)]
@@ -215,13 +268,17 @@ pub struct RunDto {
     /// Set while `phase` is `compensating`: the end the run is heading for.
     #[serde(default)]
     pub ending: Option<EndingDto>,
+    /// The client's `metadata` as given; `null` (left out) when none was.
     #[serde(default, skip_serializing_if = "Value::is_null")]
     pub metadata: Value,
     /// The creating token's scopes; absent: every scope.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scopes: Option<Vec<String>>,
+    /// RFC 3339 time of creation.
     pub created_at: String,
+    /// RFC 3339 time of the last transition.
     pub updated_at: String,
+    /// The seq of the run's last event; it grows by one per transition.
     pub version: u64,
 }
 
@@ -334,17 +391,23 @@ impl RunDto {
 /// One page of `GET /v1/runs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunListDto {
+    /// The runs, newest first (redacted).
     pub runs: Vec<RunDto>,
+    /// The `cursor` of the next page; `None`: this is the last page.
     pub next_cursor: Option<String>,
 }
 
 /// One event of a run's log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventDto {
+    /// Position in the log, from 1, without gaps (the SSE `id`).
     pub seq: u64,
+    /// RFC 3339 time it was recorded.
     pub at: String,
+    /// snake_case event type (`run_created`, `tool_call_started`, …), `type` on the wire.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The event's own fields, by type.
     pub data: Value,
 }
 
@@ -362,6 +425,7 @@ impl From<&EventRecord> for EventDto {
 /// `GET /v1/runs/{id}/events`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventListDto {
+    /// The events after `after`, in seq order.
     pub events: Vec<EventDto>,
 }
 
@@ -369,8 +433,10 @@ pub struct EventListDto {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MessagesQuery {
+    /// Start after this position (`next_cursor` of the previous page); `None`: from the first.
     #[serde(default)]
     pub after: Option<u64>,
+    /// Page size, from 1; default 100, capped at `limits.max_page_size`.
     #[serde(default)]
     pub limit: Option<usize>,
 }
@@ -382,6 +448,7 @@ pub struct MessageDto {
     pub index: u64,
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
+    /// The text (redacted); `None` for an assistant message with only tool calls.
     pub content: Option<String>,
     /// The calls an assistant message asked for (empty otherwise).
     pub tool_calls: Vec<MessageToolCallDto>,
@@ -392,15 +459,20 @@ pub struct MessageDto {
 /// A tool call as the model wrote it: `arguments` is the JSON text it gave.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MessageToolCallDto {
+    /// The model's id of the call (not agentd's `call_…`).
     pub id: String,
+    /// The tool it asked for.
     pub name: String,
+    /// The arguments as JSON text (redacted).
     pub arguments: String,
 }
 
 /// `GET /v1/runs/{id}/messages`: `next_cursor` is the `after` of the next page.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MessageListDto {
+    /// The page, in transcript order.
     pub messages: Vec<MessageDto>,
+    /// The position of the page's last message; `None`: no message follows.
     pub next_cursor: Option<u64>,
 }
 
@@ -420,6 +492,8 @@ fn redact_text(text: &str, redactor: &crate::redact::Redactor) -> String {
 }
 
 impl MessageDto {
+    /// `message` at transcript position `index`, scrubbed of secrets: its content and call
+    /// arguments are redacted as JSON when they parse, as text otherwise.
     pub fn redacted(
         index: u64,
         message: &crate::model::Message,
@@ -460,16 +534,22 @@ impl MessageDto {
 /// A tool as an agent offers it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolDto {
+    /// The name the model calls it by.
     pub name: String,
+    /// What the model is told it does.
     pub description: String,
+    /// JSON Schema of its arguments.
     pub parameters: Value,
 }
 
 /// A configured agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentDto {
+    /// The agent's name (the `agent` of a new run).
     pub name: String,
+    /// Key of its model provider (a `[models.X]` entry), not the upstream model name.
     pub model: String,
+    /// The tools the model is offered.
     pub tools: Vec<ToolDto>,
 }
 
@@ -494,12 +574,14 @@ impl From<&AgentInfo> for AgentDto {
 /// `GET /v1/agents`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentListDto {
+    /// The agents the token may use, by name.
     pub agents: Vec<AgentDto>,
 }
 
 /// `GET /healthz`, `GET /readyz`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HealthDto {
+    /// `ok` (`/healthz`) or `ready` (`/readyz`).
     pub status: String,
     /// `/readyz`: runs whose stored record cannot be read; every other run is served.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -509,15 +591,19 @@ pub struct HealthDto {
 /// A run left out because its stored record cannot be read.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuarantinedRunDto {
+    /// The run id.
     pub id: String,
+    /// Why its record cannot be read (redacted, at most 300 characters).
     pub reason: String,
 }
 
 /// `GET /v1/approvals` query.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ApprovalsQuery {
+    /// Page size, from 1; default 50, capped at `limits.max_page_size`.
     #[serde(default)]
     pub limit: Option<usize>,
+    /// The `next_cursor` of the previous page; `None`: the oldest waiting calls.
     #[serde(default)]
     pub cursor: Option<String>,
 }
@@ -525,15 +611,21 @@ pub struct ApprovalsQuery {
 /// One call waiting for an operator, in the approvals inbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApprovalDto {
+    /// The run the call belongs to.
     pub run_id: String,
+    /// agentd's id of the call, the `{call_id}` of the decision route.
     pub call_id: String,
+    /// The run's agent.
     pub agent: String,
+    /// The tool the call is for.
     pub tool: String,
+    /// The arguments the call would run with (redacted).
     pub arguments: Value,
     /// `policy` (the tool's approval rule), `outcome_unknown` (a crash left it unknown),
     /// `tool_failing` (a tool that keeps failing waits for a decision) or `permission_error`
     /// (the tool refused the call with 401/403 and its policy asks an operator).
     pub reason: String,
+    /// RFC 3339 time the call began waiting.
     pub requested_at: String,
     /// When the tool's `approval_timeout` decides the call; `null`: it waits for ever.
     pub expires_at: Option<String>,
@@ -542,6 +634,8 @@ pub struct ApprovalDto {
 /// `GET /v1/approvals`: oldest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApprovalListDto {
+    /// The page, oldest first.
     pub approvals: Vec<ApprovalDto>,
+    /// The `cursor` of the next page; `None`: this is the last page.
     pub next_cursor: Option<String>,
 }

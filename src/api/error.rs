@@ -34,16 +34,20 @@ use crate::runtime;
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
+    /// The HTTP status answered.
     pub status: StatusCode,
+    /// Stable snake_case code clients match on (the table above), `error.code` on the wire.
     pub code: &'static str,
+    /// One sentence for people, `error.message` on the wire; never a secret or a stack trace.
     pub message: String,
-    /// The run's current status, for `invalid_state`.
+    /// The run's current status, for `invalid_state` (`error.status` on the wire).
     pub run_status: Option<Status>,
-    /// Seconds, for 429 and 503.
+    /// Seconds, for 429 and 503: sent as `Retry-After`.
     pub retry_after: Option<u64>,
 }
 
 impl ApiError {
+    /// An error with no run status and no `Retry-After`.
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
@@ -54,14 +58,17 @@ impl ApiError {
         }
     }
 
+    /// 404 `not_found` for a route or resource that does not exist.
     pub fn not_found() -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", "no such resource")
     }
 
+    /// 404 `not_found` for a run that does not exist or is another tenant's.
     pub fn run_not_found() -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", "run not found")
     }
 
+    /// 401 `unauthenticated` (answered with `WWW-Authenticate: Bearer`).
     pub fn unauthenticated() -> Self {
         Self::new(
             StatusCode::UNAUTHORIZED,
@@ -70,18 +77,22 @@ impl ApiError {
         )
     }
 
+    /// 400 `invalid_json`: the body is not JSON.
     pub fn invalid_json(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_json", message)
     }
 
+    /// 400 `invalid_query`: a query parameter or `Last-Event-ID` is malformed.
     pub fn invalid_query(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_query", message)
     }
 
+    /// 422 `invalid_request`: JSON of the wrong shape.
     pub fn invalid_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", message)
     }
 
+    /// 422 `invalid_argument`: a value out of range or failing its schema.
     pub fn invalid_argument(message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -90,6 +101,7 @@ impl ApiError {
         )
     }
 
+    /// 413 `payload_too_large` for a body over `limit` bytes.
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -98,6 +110,7 @@ impl ApiError {
         )
     }
 
+    /// 500 `internal`, with a generic message (the cause is logged, not shown).
     pub fn internal() -> Self {
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -106,6 +119,7 @@ impl ApiError {
         )
     }
 
+    /// 503 with `code` and `Retry-After: 1`.
     pub fn unavailable(code: &'static str, message: &str) -> Self {
         let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message);
         e.retry_after = Some(1);

@@ -11,8 +11,13 @@ use crate::config::Config;
 /// One problem: the key, its line in the file when known, and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Problem {
+    /// The dotted key at fault (`models.local.api_key`), or `config` for a problem that names
+    /// no key.
     pub key: String,
+    /// The 1-based line in the file of the key's section or `env:` reference; `None` without
+    /// a file, or when it is not found there.
     pub line: Option<usize>,
+    /// What is wrong, in one sentence.
     pub message: String,
 }
 

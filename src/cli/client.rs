@@ -19,8 +19,11 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 #[error("{status}: {code}: {message}")]
 pub struct ApiFailure {
+    /// The HTTP status of the answer.
     pub status: StatusCode,
+    /// The API's `error.code`; `http_error` when the body carried none.
     pub code: String,
+    /// The API's `error.message`; the status's reason phrase when the body carried none.
     pub message: String,
     /// The run's status, for `invalid_state`.
     pub run_status: Option<String>,
@@ -30,7 +33,9 @@ pub struct ApiFailure {
 #[derive(Debug, thiserror::Error)]
 #[error("could not reach agentd at {base}: {source}")]
 pub struct Unreachable {
+    /// The daemon's base URL, as the client was given it (without a trailing `/`).
     pub base: String,
+    /// Why the request was not answered.
     #[source]
     pub source: reqwest::Error,
 }
@@ -44,6 +49,8 @@ pub struct Client {
 }
 
 impl Client {
+    /// A client of the daemon at `base` (a trailing `/` is dropped) that sends `token` as its
+    /// bearer token when given. Connecting is bounded at 5s, a silent read at 90s.
     pub fn new(base: &str, token: Option<String>) -> anyhow::Result<Self> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))

@@ -42,12 +42,32 @@ use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 /// Why the configured parts could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
+    /// A configured part could not be built: a store that does not open; a tool, model, agent
+    /// `output_schema`, redaction pattern or `public_url` that does not work; an MCP server
+    /// that does not start or lacks a listed tool.
     #[error("{key}: {message}")]
-    Invalid { key: String, message: String },
+    Invalid {
+        /// The configuration key at fault (`store.url`, `tools.deploy.url`,
+        /// `secrets.patterns[0]`, …).
+        key: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A configured feature this build of agentd does not include.
     #[error("{what} is not available in this build")]
-    Unavailable { what: String },
+    Unavailable {
+        /// The feature asked for.
+        what: String,
+    },
+    /// A `config::Error` met while building, e.g. an `env:NAME` secret whose variable is not
+    /// set.
     #[error("{key}: {message}")]
-    Config { key: String, message: String },
+    Config {
+        /// The key it names (`config` for an error that names none).
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 impl From<crate::config::Error> for BuildError {
@@ -64,7 +84,10 @@ impl From<crate::config::Error> for BuildError {
 
 /// The parts, plus the MCP servers started for them (shut down with the daemon).
 pub struct Built {
+    /// What `Runtime::start` takes: the store, tools, models, agents and redactor.
     pub parts: RuntimeParts,
+    /// The MCP servers started for the configured `kind = "mcp"` tools; the caller shuts them
+    /// down.
     pub mcp_servers: Vec<Arc<McpServer>>,
     /// The redactor also given to the runtime, for the API and the logs.
     pub redactor: Arc<Redactor>,

@@ -26,8 +26,13 @@ use tokio_util::sync::CancellationToken;
 /// The bounds of the server (from `[server]`).
 #[derive(Debug, Clone, Copy)]
 pub struct ServerLimits {
+    /// A connection's request headers must arrive within this, from accept or from the end
+    /// of the previous response; also the HTTP/2 keep-alive ping interval and timeout.
     pub header_read_timeout: Duration,
+    /// Connections open at once; further ones wait in the listen backlog.
     pub max_connections: usize,
+    /// A connection whose client takes no bytes for this long while some are waiting is
+    /// closed.
     pub write_timeout: Duration,
 }
 
