@@ -2,7 +2,8 @@
 //! and verifies.
 //!
 //! Layout (see ARCHITECTURE.md for the full map):
-//! - `run`: the pure run state machine and the actors that execute it;
+//! - `run`: the pure run state machine (no I/O); `runtime`: the actors that carry out its
+//!   effects, the supervisor, leases and ownership;
 //! - `model`, `tool`: providers, tools and the shared rate-limited pools;
 //! - `store`: checkpoints, leases, control inbox and event logs;
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
