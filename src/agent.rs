@@ -151,8 +151,11 @@ pub struct Agent {
 /// SHA-256 over the parts of an agent's definition that a run's behaviour depends on.
 fn definition_digest(spec: &AgentSpec, definitions: &[ToolDefinition]) -> String {
     use sha2::{Digest, Sha256};
+    // `read_output` belongs to the runtime, not to the agent's definition: offering it (from
+    // this release on) must not make runs started before look like another agent's.
     let tools: Vec<_> = definitions
         .iter()
+        .filter(|d| d.name != crate::run::read_output::READ_OUTPUT_TOOL)
         .map(|d| serde_json::json!([d.name, d.description, d.parameters]))
         .collect();
     let doc = serde_json::json!({

@@ -582,7 +582,9 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         if run.status == Status::Succeeded || (park && run.status == Status::Cancelled) {
             succeeded += 1;
         } else if let Some(e) = &run.error {
-            *failures.entry(format!("{}: {}", e.code, e.message)).or_insert(0) += 1;
+            *failures
+                .entry(format!("{}: {}", e.code, e.message))
+                .or_insert(0) += 1;
         }
         steps_done += u64::from(run.usage.tool_calls);
     }

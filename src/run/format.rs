@@ -11,6 +11,10 @@
 //!   a later version). `messages` is written empty. Also new in 3: long-running tool calls
 //!   (phase `awaiting_tool`, call status `awaiting_result` and the call's `task`: status URL,
 //!   deadline), names a build that knows only version 2 refuses instead of misreading.
+//! - 4: the no-progress tracker's fingerprint lists (`progress.seen`, `progress.results_seen`)
+//!   are one compact string each, of at most 32 entries of 32-bit fingerprints
+//!   (`run::progress::compact`), so the body no longer grows with the run. Read like 3; the
+//!   array lists of earlier versions are read too.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,7 +22,7 @@ use crate::model::Message;
 use crate::run::RunState;
 
 /// The version this build writes.
-pub const CURRENT: u32 = 3;
+pub const CURRENT: u32 = 4;
 /// The oldest version this build reads.
 pub const OLDEST: u32 = 1;
 /// The body's field that names its version; a body without it is version 1.
@@ -93,7 +97,8 @@ pub fn decode(body: &str, transcript: &[String]) -> Result<RunState, FormatError
         // ignores it), so both read the same way. A later version that changes fields
         // migrates here, from the oldest up.
         1 | 2 => Ok(serde_json::from_str(body)?),
-        3 => {
+        // 4 changed only how the tracker's lists are written, which reads both ways.
+        3 | 4 => {
             let mut run: RunState = serde_json::from_str(body)?;
             let expected = header.transcript_len.unwrap_or(0);
             let len = usize::try_from(expected).unwrap_or(usize::MAX);
@@ -128,7 +133,7 @@ pub fn stored_transcript_len(body: &str) -> Result<usize, FormatError> {
 /// versions still bring theirs, version 3 leaves `messages` empty.
 pub fn decode_without_transcript(body: &str) -> Result<RunState, FormatError> {
     match version_of(body)? {
-        1..=3 => Ok(serde_json::from_str(body)?),
+        1..=4 => Ok(serde_json::from_str(body)?),
         found => Err(FormatError::UnsupportedVersion { found }),
     }
 }
@@ -173,14 +178,14 @@ mod tests {
     fn the_current_format_names_its_version_first_and_keeps_the_transcript_apart() {
         let mut run = talking();
         let body = encode(&mut run).unwrap();
-        assert!(body.starts_with(r#"{"format_version":3,"#), "{body}");
+        assert!(body.starts_with(r#"{"format_version":4,"#), "{body}");
         assert!(!body.contains("hello"), "no message in the body: {body}");
         assert!(
             body.ends_with(r#""messages":[],"transcript_len":2}"#),
             "{body}"
         );
         assert_eq!(run.messages.len(), 2, "the messages are put back");
-        assert_eq!(version_of(&body).unwrap(), 3);
+        assert_eq!(version_of(&body).unwrap(), CURRENT as u64);
         assert_eq!(stored_transcript_len(&body).unwrap(), 2);
         assert_eq!(decode(&body, &entries(&run)).unwrap(), run);
         // Entries beyond the body's length belong to a later version.
@@ -232,15 +237,15 @@ mod tests {
     #[test]
     fn a_future_version_is_refused_naming_both_versions() {
         let body = encode(&mut run()).unwrap().replacen(
-            r#""format_version":3"#,
             r#""format_version":4"#,
+            r#""format_version":5"#,
             1,
         );
         let err = decode(&body, &[]).unwrap_err();
-        assert!(matches!(err, FormatError::UnsupportedVersion { found: 4 }));
+        assert!(matches!(err, FormatError::UnsupportedVersion { found: 5 }));
         let message = err.to_string();
-        assert!(message.contains("version 4"), "{message}");
-        assert!(message.contains("1 to 3"), "{message}");
+        assert!(message.contains("version 5"), "{message}");
+        assert!(message.contains("1 to 4"), "{message}");
         assert!(decode_without_transcript(&body).is_err());
     }
 

@@ -74,11 +74,12 @@ pub struct CallOutcome {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Progress {
     /// (fingerprint, times seen), least recently seen first; at most
-    /// [`MAX_TRACKED_FINGERPRINTS`].
+    /// [`MAX_TRACKED_FINGERPRINTS`]. Stored compactly (see [`compact`]).
+    #[serde(with = "compact")]
     pub seen: Vec<(u64, u32)>,
     /// (result fingerprint, times seen), least recently seen first; at most
     /// [`MAX_TRACKED_FINGERPRINTS`]. Absent in checkpoints written before results were tracked.
-    #[serde(default)]
+    #[serde(default, with = "compact")]
     pub results_seen: Vec<(u64, u32)>,
     /// Non-polling calls failed in a row; reset by a success and by each escalation.
     pub failure_streak: u32,
@@ -149,12 +150,20 @@ impl Progress {
 
 /// Fingerprints remembered per list. The checkpoint is rewritten at every commit, so what it
 /// holds must not grow with the run: a repeat is detected among the last this many distinct
-/// calls (and results), which is far more than a model's repeating loop spans.
-pub const MAX_TRACKED_FINGERPRINTS: usize = 64;
+/// calls (and results), which is more than a model's repeating loop spans.
+pub const MAX_TRACKED_FINGERPRINTS: usize = 32;
+
+/// The tracked part of a fingerprint: 32 bits. Within a window of
+/// [`MAX_TRACKED_FINGERPRINTS`] the chance that two different calls share it is about one in
+/// ten million, and a share only makes a call look repeated.
+fn tracked(fingerprint: u64) -> u64 {
+    fingerprint & 0xFFFF_FFFF
+}
 
 /// Counts one more sighting of `fingerprint` and moves it to the most recent end; returns the
 /// count. A new fingerprint beyond [`MAX_TRACKED_FINGERPRINTS`] evicts the least recently seen.
 fn bump(seen: &mut Vec<(u64, u32)>, fingerprint: u64) -> u32 {
+    let fingerprint = tracked(fingerprint);
     let count = match seen.iter().position(|(f, _)| *f == fingerprint) {
         Some(i) => seen.remove(i).1 + 1,
         None => 1,
@@ -164,6 +173,54 @@ fn bump(seen: &mut Vec<(u64, u32)>, fingerprint: u64) -> u32 {
         seen.remove(0);
     }
     count
+}
+
+/// The stored form of a fingerprint list: one string, `"<hex>.<count> …"` with 32-bit
+/// fingerprints (about 11 bytes an entry where a JSON array takes 25). Lists written by earlier
+/// versions (`[[fingerprint, count], …]` of full 64-bit fingerprints) still load, cut to 32 bits
+/// and to the window.
+pub mod compact {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use super::{MAX_TRACKED_FINGERPRINTS, tracked};
+
+    /// Writes the list as one string.
+    pub fn serialize<S: Serializer>(list: &[(u64, u32)], s: S) -> Result<S::Ok, S::Error> {
+        let mut out = String::with_capacity(list.len() * 11);
+        for (i, (f, n)) in list.iter().enumerate() {
+            if i > 0 {
+                out.push(' ');
+            }
+            out.push_str(&format!("{:x}.{n}", tracked(*f)));
+        }
+        s.serialize_str(&out)
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Stored {
+        Compact(String),
+        Pairs(Vec<(u64, u32)>),
+    }
+
+    /// Reads either form.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(u64, u32)>, D::Error> {
+        let mut list = match Stored::deserialize(d)? {
+            Stored::Pairs(pairs) => pairs.into_iter().map(|(f, n)| (tracked(f), n)).collect(),
+            Stored::Compact(text) => text
+                .split_ascii_whitespace()
+                .map(|entry| {
+                    let (f, n) = entry.split_once('.')?;
+                    Some((u64::from_str_radix(f, 16).ok()?, n.parse().ok()?))
+                })
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| serde::de::Error::custom("bad fingerprint list"))?,
+        };
+        if list.len() > MAX_TRACKED_FINGERPRINTS {
+            list.drain(..list.len() - MAX_TRACKED_FINGERPRINTS);
+        }
+        Ok(list)
+    }
 }
 
 #[cfg(test)]
@@ -315,10 +372,43 @@ mod tests {
         assert_eq!(t.seen.len(), MAX_TRACKED_FINGERPRINTS);
         // The newest are the ones kept.
         assert_eq!(t.seen.last(), Some(&(10_999, 1)));
-        assert_eq!(t.seen.first(), Some(&(10_000 + 1_000 - 64, 1)));
+        assert_eq!(t.seen.first(), Some(&(10_000 + 1_000 - 32, 1)));
         // A repeat within the window is still counted.
         assert_eq!(bump(&mut t.seen, 10_990), 2);
         assert_eq!(t.seen.last(), Some(&(10_990, 2)));
+        // Stored compactly: the whole tracker of a long run stays under 1 KiB.
+        let json = serde_json::to_string(&t).unwrap();
+        assert!(json.len() < 1024, "{} bytes: {json}", json.len());
+        assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), t);
+    }
+
+    #[test]
+    fn earlier_fingerprint_lists_load_cut_to_the_window() {
+        let pairs: Vec<String> = (0..40u64)
+            .map(|i| format!("[{},1]", (i << 40) | (i + 7)))
+            .collect();
+        let old = format!(
+            r#"{{"seen":[{}],"failure_streak":0,"stale_turns":0,"escalation":"none"}}"#,
+            pairs.join(",")
+        );
+        let t: Progress = serde_json::from_str(&old).unwrap();
+        assert_eq!(t.seen.len(), MAX_TRACKED_FINGERPRINTS);
+        assert_eq!(t.seen.last(), Some(&(46, 1)), "high bits cut, newest kept");
+        assert!(
+            serde_json::from_str::<Progress>(
+                r#"{"seen":"zz.1","failure_streak":0,"stale_turns":0,"escalation":"none"}"#
+            )
+            .is_err()
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn compact_lists_round_trip(list in proptest::collection::vec((0u64..u64::from(u32::MAX), 0u32..1000), 0..32)) {
+            let t = Progress { seen: list.clone(), results_seen: list, ..Progress::default() };
+            let json = serde_json::to_string(&t).unwrap();
+            proptest::prop_assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), t);
+        }
     }
 
     #[test]

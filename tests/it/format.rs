@@ -1,4 +1,4 @@
-//! The stored checkpoint format across upgrades: golden fixtures of every format (1, 2, 3) load,
+//! The stored checkpoint format across upgrades: golden fixtures of every format (1, 2, 3, 4) load,
 //! resume and finish; a record of a future format is refused, not misread.
 
 use std::sync::Arc;
@@ -123,7 +123,10 @@ async fn a_version_2_run_resumes_and_its_transcript_moves_out_of_the_body() {
     // Rewritten in the current format: the body holds no message, the store holds the
     // whole transcript (the two inline messages included) apart.
     let stored = h.store.load(&cp.run_id).await.unwrap().unwrap();
-    assert_eq!(agentd::run::format::version_of(&stored.body).unwrap(), 3);
+    assert_eq!(
+        agentd::run::format::version_of(&stored.body).unwrap(),
+        u64::from(agentd::run::format::CURRENT)
+    );
     assert!(
         !stored.body.contains(r#""content":"deploy v2""#),
         "{}",
@@ -184,6 +187,48 @@ fn fixture_v3() -> (Checkpoint, Vec<EventRecord>) {
 async fn a_version_3_run_resumes_and_appends_to_its_stored_transcript() {
     let (cp, events) = fixture_v3();
     assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 3);
+    let fixture_transcript = cp.transcript.clone();
+    assert_eq!(fixture_transcript.len(), 2);
+    let (builder, ledger) = harness();
+    builder.store.create(&cp, &events, None).await.unwrap();
+    let h = builder.start().await;
+    let run = h
+        .handle
+        .wait_until(TENANT, &cp.run_id, WAIT, |r| {
+            r.status == Status::WaitingApproval
+        })
+        .await
+        .unwrap();
+    assert_eq!(run.messages.len(), 2, "the stored transcript is read");
+    let call = run.pending_approvals().next().unwrap().call_id.clone();
+    h.handle
+        .decide(TENANT, &cp.run_id, &call, true, None, None, None)
+        .await
+        .unwrap();
+    let run = h.finish(&cp.run_id).await;
+    assert_eq!(run.status, Status::Succeeded);
+    assert_eq!(run.output, Some(json!("deployed")));
+    assert_eq!(ledger.total(), 1);
+    let stored = h.store.load(&cp.run_id).await.unwrap().unwrap();
+    assert_eq!(stored.transcript.len(), run.messages.len());
+    assert_eq!(
+        stored.transcript[..2],
+        fixture_transcript[..],
+        "appended to, never rewritten"
+    );
+    h.shutdown().await;
+}
+
+/// The fixture of format version 4 (the progress tracker's lists compact): the version 3
+/// fixture as this build writes it, with two calls' fingerprints tracked.
+fn fixture_v4() -> (Checkpoint, Vec<EventRecord>) {
+    fixture(include_str!("fixtures/checkpoint-v4-waiting-approval.json"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_4_run_with_compact_progress_lists_resumes_and_finishes() {
+    let (cp, events) = fixture_v4();
+    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 4);
     let fixture_transcript = cp.transcript.clone();
     assert_eq!(fixture_transcript.len(), 2);
     let (builder, ledger) = harness();
