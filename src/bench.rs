@@ -24,11 +24,15 @@ use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
+    /// Concurrent runs, all created at the start.
     pub runs: usize,
+    /// Tool steps per run: the model calls the `emit` tool this many times, then answers.
     pub steps: u32,
     /// Scripted model latency per call.
     pub model_delay: Duration,
+    /// Workers of the model gateway pool (its queue holds twice the runs, at least 2048).
     pub model_workers: usize,
+    /// Workers of the tool pool (its queue holds twice the runs, at least 2048).
     pub tool_workers: usize,
     /// Give up after this long.
     pub timeout: Duration,
@@ -46,7 +50,9 @@ pub struct BenchOptions {
 /// `INFO commandstats` calls, Lua-internal calls included).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RedisTraffic {
+    /// Bytes received from clients (`total_net_input_bytes`).
     pub input_bytes: u64,
+    /// Commands run, summed over every `cmdstat_*` line's `calls`.
     pub commands: u64,
 }
 
@@ -109,15 +115,26 @@ impl Default for BenchOptions {
 /// What happened.
 #[derive(Debug, Clone)]
 pub struct BenchReport {
+    /// Runs started.
     pub runs: usize,
+    /// Runs that ended `succeeded` (with `park`: `cancelled`, as the bench cancels them).
     pub succeeded: usize,
+    /// Tool calls made, summed over all runs.
     pub steps: u64,
+    /// Wall time from the first create until every run had ended.
     pub elapsed: Duration,
+    /// Median time between two model calls of the same run (one tool step and a turn).
     pub step_p50: Duration,
+    /// 99th percentile of the same.
     pub step_p99: Duration,
+    /// User plus system CPU of the whole process (all threads) while the runs ran, divided by
+    /// `steps` (Linux; zero elsewhere).
     pub cpu_per_step: Duration,
+    /// Resident memory in bytes before the first run was created.
     pub baseline_rss: u64,
+    /// Peak resident memory of the process in bytes (`VmHWM`).
     pub peak_rss: u64,
+    /// State transitions committed by the bench's runtime.
     pub transitions: u64,
     /// With `park`: resident memory above the baseline while all runs were parked.
     pub parked_rss: Option<u64>,
@@ -136,6 +153,7 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
+    /// Tool steps per second of wall time (`steps / elapsed`).
     pub fn steps_per_second(&self) -> f64 {
         self.steps as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }

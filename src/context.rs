@@ -114,7 +114,11 @@ impl Default for ContextBudget {
 /// A built context and what was done to fit it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BuiltContext {
+    /// The request's messages in the layout of the module docs: system, goal, note, window,
+    /// obligations.
     pub messages: Vec<Message>,
+    /// Estimate of all `messages` (see [`estimate_messages_tokens`]); may exceed the budget, since
+    /// the fixed part is always included.
     pub estimated_tokens: usize,
     /// History indices (half-open) condensed into the note, if any.
     pub condensed: Option<std::ops::Range<usize>>,

@@ -24,12 +24,14 @@ use crate::ids::{CallId, RunId};
 /// One entry of a run's event log. `seq` starts at 1 and has no gaps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventRecord {
+    /// Position in the run's log, from 1 and gap-free.
     pub seq: u64,
     /// Milliseconds since the Unix epoch.
     pub at_ms: u64,
     /// snake_case event type, e.g. `run_created`, `tool_call_started`, `run_succeeded`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The event's own fields as JSON (what they are depends on `kind`).
     pub data: Value,
 }
 
@@ -37,14 +39,22 @@ pub struct EventRecord {
 /// `RunState` in `body`. `version` equals the seq of the last event committed with it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Checkpoint {
+    /// The run this record is for.
     pub run_id: RunId,
+    /// Tenant that owns the run, for the tenant's listing and its indexes.
     pub tenant: String,
+    /// Name of the configured agent the run uses, for the per-agent listing index.
     pub agent: String,
     /// The public status (`created`, `running`, …), for listing and the active index.
     pub status: String,
+    /// Whether `status` is final; a terminal commit takes the run out of the active and due
+    /// indexes.
     pub terminal: bool,
+    /// Seq of the last event committed with this record; the next commit expects it.
     pub version: u64,
+    /// When the run was created, ms since the Unix epoch.
     pub created_at_ms: u64,
+    /// When the last transition was applied, ms since the Unix epoch.
     pub updated_at_ms: u64,
     /// JSON of `run::RunState` without its transcript (format 3; earlier formats hold the
     /// transcript inline).
@@ -56,6 +66,7 @@ pub struct Checkpoint {
     /// a listing: empty.
     #[serde(skip)]
     pub transcript: Vec<String>,
+    /// Index in the stored transcript of the first entry of `transcript`.
     #[serde(skip)]
     pub transcript_from: u64,
 }
@@ -71,8 +82,11 @@ pub(crate) fn torn_transcript(run: &RunId, from: u64, stored: u64) -> Error {
 /// holding an older token is fenced out.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
+    /// The run leased.
     pub run_id: RunId,
+    /// Node id of the holder.
     pub owner: String,
+    /// Fencing token, checked by every commit of the holder.
     pub token: u64,
 }
 
@@ -80,11 +94,15 @@ pub struct Lease {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Control {
+    /// Cancel the run.
     Cancel {
+        /// Why, as the client gave it; recorded in the event.
         #[serde(default)]
         reason: Option<String>,
     },
+    /// Approve a call waiting for a decision: it is sent (again).
     Approve {
+        /// The call decided on.
         call_id: CallId,
         /// Edited arguments; validated again before use.
         #[serde(default)]
@@ -93,27 +111,38 @@ pub enum Control {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },
+    /// Reject a call waiting for a decision: it is not sent, and the model is told.
     Reject {
+        /// The call decided on.
         call_id: CallId,
+        /// Why; the model gets it in the refusal.
         #[serde(default)]
         reason: Option<String>,
+        /// The configured name of the token that decided (never the token).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },
+    /// Operator input: the answer to a pending question, or else queued for the next turn.
     Input {
+        /// The text, given to the model as a user message.
         text: String,
     },
     /// A long-running tool's result for one call, sent through the callback route (its
     /// per-call token was checked before the entry was stored; the token is not stored).
     CallResult {
+        /// The call the result is for.
         call_id: CallId,
+        /// The tool's result as the callback delivered it.
         result: crate::tool::ToolResult,
     },
     /// An operator's decision `fail` on a call waiting for one: end the run `failed`.
     Fail {
+        /// The call waiting for an operator.
         call_id: CallId,
+        /// Why; appended to the run's error message.
         #[serde(default)]
         reason: Option<String>,
+        /// The configured name of the token that decided (never the token).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         by: Option<String>,
     },
@@ -122,14 +151,18 @@ pub enum Control {
 /// A stored control message with its position in the run's inbox (from 1, gap-free).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ControlRecord {
+    /// Position in the run's inbox, from 1 and gap-free.
     pub seq: u64,
+    /// When the store took the message, ms since the Unix epoch.
     pub at_ms: u64,
+    /// The message itself.
     pub control: Control,
 }
 
 /// Result of creating a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CreateOutcome {
+    /// The run was stored (also when this create is a retry of one that was applied).
     Created,
     /// The tenant already created a run with this client idempotency key.
     Existing(RunId),
@@ -138,14 +171,18 @@ pub enum CreateOutcome {
 /// Filters for listing a tenant's runs.
 #[derive(Debug, Clone, Default)]
 pub struct RunFilter {
+    /// Only runs with this public status (`running`, `succeeded`, …); `None`: any.
     pub status: Option<String>,
+    /// Only runs of this agent; `None`: any.
     pub agent: Option<String>,
 }
 
 /// One page of runs, newest first; `next_cursor` continues after the last item.
 #[derive(Debug, Clone, Default)]
 pub struct RunPage {
+    /// The runs of this page, newest first, at most the asked limit.
     pub items: Vec<Checkpoint>,
+    /// Id of the page's last run, to pass as `cursor` for the next page; `None`: no more.
     pub next_cursor: Option<String>,
     /// Runs the listing met whose stored record does not decode, with why: left out of
     /// `items` (the rest of the page is served) for the caller to quarantine.
@@ -205,26 +242,56 @@ pub(crate) fn encode_events(run: &RunId, events: &[EventRecord]) -> Result<Vec<(
 /// it was not applied; `Unavailable` means it may or may not have been.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
+    /// No run with this id is stored.
     #[error("run {0} not found")]
     NotFound(RunId),
+    /// The stored version is not the one the write expected; nothing was written.
     #[error("run {run}: version conflict (expected {expected}, found {found})")]
     VersionConflict {
+        /// The run written.
         run: RunId,
+        /// The version the write expected.
         expected: u64,
+        /// The version stored (0 when no checkpoint is).
         found: u64,
     },
+    /// The write's lease token is no longer current (the run was claimed again since, or the
+    /// lease released); nothing was written.
     #[error("run {run}: lease token {token} is no longer current")]
-    Fenced { run: RunId, token: u64 },
+    Fenced {
+        /// The run written.
+        run: RunId,
+        /// The stale token the write carried.
+        token: u64,
+    },
+    /// Another owner holds a live lease on the run.
     #[error("run {run}: leased by {owner}")]
-    LeaseHeld { run: RunId, owner: String },
+    LeaseHeld {
+        /// The run asked for.
+        run: RunId,
+        /// Node id of the holder.
+        owner: String,
+    },
+    /// The events written do not continue the log's seq without a gap; nothing was written.
     #[error("run {run}: event seq {seq} does not follow the log")]
-    SequenceGap { run: RunId, seq: u64 },
+    SequenceGap {
+        /// The run written.
+        run: RunId,
+        /// The first seq that does not follow.
+        seq: u64,
+    },
+    /// The store could not be reached or answered with a transient fault (also: a store URL
+    /// `open` cannot use); a write may or may not have been applied. The only retryable one.
     #[error("store unavailable: {0}")]
     Unavailable(String),
+    /// Stored data does not decode, or a write does not fit what is stored (e.g. a torn
+    /// transcript).
     #[error("store data is corrupt: {0}")]
     Corrupt(String),
+    /// Another live process holds the node id asked for.
     #[error("node id {node} is held by another live process")]
     NodeIdInUse {
+        /// The node id asked for.
         node: String,
         /// The holder's instance string (as it registered), so a starting process can tell a
         /// dead holder on its own host from a live one.
@@ -278,6 +345,7 @@ pub(crate) fn due_in(ttl: Duration) -> u64 {
     crate::clock::now_ms().saturating_add(ttl.as_millis() as u64)
 }
 
+/// Result of a store operation.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Run checkpoints, leases, control inbox and indexes.
@@ -299,6 +367,7 @@ pub trait CheckpointStore: Send + Sync + 'static {
         client_key: Option<&str>,
     ) -> Result<CreateOutcome>;
 
+    /// The run's checkpoint, its whole transcript included; `None` if no such run is stored.
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>>;
 
     /// Atomically: checks the stored version is `expected_version` and `lease` is current,

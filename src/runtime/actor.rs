@@ -56,6 +56,8 @@ pub enum RunMsg {
     /// after its applied mark and applies them strictly in inbox order; `reply` is answered
     /// once the entry at its seq has been consumed.
     Controls {
+        /// With a request waiting: the seq of its inbox entry, and where to send the state after it
+        /// (or the refusal); `None`: a bare wake-up.
         reply: Option<(u64, RpcReplyPort<ControlReply>)>,
     },
     /// The run's current state.
@@ -68,13 +70,26 @@ pub enum RunMsg {
     RetryDeferred,
     /// The run has been waiting (approval or input) since `version`: if nothing changed, stop
     /// the actor; the run stays in the store and is rehydrated by its next message.
-    Passivate { version: u64 },
+    Passivate {
+        /// The run's version when this was scheduled; if it has changed since, nothing happens.
+        version: u64,
+    },
     /// A long-running call's poll timer fired (`long_running`).
-    PollDue { epoch: u64, call_id: CallId },
+    PollDue {
+        /// The run's epoch when the timer was armed; one of an older epoch does nothing.
+        epoch: u64,
+        /// The long-running call to poll.
+        call_id: CallId,
+    },
     /// A poll of a long-running call answered.
     Polled {
+        /// The run's epoch when the poll was sent; one of an older epoch changes nothing.
         epoch: u64,
+        /// The long-running call polled.
         call_id: CallId,
+        /// `Ok(Some(result))`: the call finished; `Ok(None)`: still running (polled again with
+        /// backoff); `Err`: the poll failed (asked again if transient, else the call fails with
+        /// it).
         outcome: Result<Option<ToolResult>, ToolError>,
     },
 }
@@ -90,7 +105,12 @@ pub enum Boot {
     /// A restart from the checkpoint (crash, or daemon start): `Resume`.
     Recover,
     /// Fail the run from its checkpoint (e.g. `crash_loop`).
-    Abort { code: String, message: String },
+    Abort {
+        /// The code of the run's error (`RunError::code`), e.g. `crash_loop`.
+        code: String,
+        /// The message of the run's error.
+        message: String,
+    },
     /// Bring a passivated run back for a message or a timer: a waiting run continues as it
     /// was (no `Resume`: nothing was in flight); any other run resumes.
     Rehydrate,
@@ -109,7 +129,10 @@ pub enum StopReason {
     AlreadyTerminal,
     /// The run waits for an operator and gave up its actor; `wake_at_ms` is when its deadline
     /// or an approval expiry needs it back.
-    Passivated { wake_at_ms: Option<u64> },
+    Passivated {
+        /// When a timer needs the run back, ms since the Unix epoch; `None`: only a control does.
+        wake_at_ms: Option<u64>,
+    },
     /// Another node holds the run's lease.
     LeasedElsewhere,
     /// Another writer fenced this one out: the run belongs to someone else now.
@@ -121,6 +144,8 @@ pub enum StopReason {
 }
 
 impl StopReason {
+    /// The stop reason string ractor carries (`finished`, `passivated:<ms>`, …; 0 for no wake
+    /// time).
     pub fn encode(self) -> String {
         match self {
             StopReason::Finished => "finished".into(),
@@ -135,6 +160,7 @@ impl StopReason {
         }
     }
 
+    /// Reads back what `encode` wrote; `None` for no reason or one it did not write (e.g. a panic).
     pub fn decode(reason: Option<&str>) -> Option<StopReason> {
         Some(match reason? {
             "finished" => StopReason::Finished,
@@ -165,16 +191,26 @@ pub trait FaultInjector: Send + Sync + 'static {
 
 /// Everything a run actor needs, shared by all runs.
 pub struct RunDeps {
+    /// Where checkpoints, events, leases and inboxes are kept.
     pub store: SharedStore,
+    /// Live fan-out of committed events to SSE streams and waiters.
     pub hub: Arc<Hub>,
+    /// The shared model pool model requests go to.
     pub gateway: ModelGateway,
+    /// The shared tool pool tool calls go to.
     pub tools: ToolExecutor,
+    /// The configured agents by name; a run whose agent is missing or differs is left to another
+    /// node.
     pub agents: HashMap<String, Arc<Agent>>,
+    /// Bounds the machine enforces besides the budget.
     pub policy: Policy,
     /// Lease owner name of this runtime instance.
     pub node_id: String,
+    /// How long each claim or renewal of a run's lease holds.
     pub lease_ttl: Duration,
+    /// Deliberate faults for tests; `None` in production.
     pub faults: Option<Arc<dyn FaultInjector>>,
+    /// Counters the actors update.
     pub metrics: Arc<Metrics>,
     /// Stop the actor of a run that has waited for approval or input this long (`None`: never).
     pub passivate_after: Option<Duration>,
@@ -192,8 +228,11 @@ pub struct RunDeps {
 
 /// Start arguments.
 pub struct RunArgs {
+    /// The run to drive.
     pub id: RunId,
+    /// How to begin: start, recover, abort, rehydrate or take over.
     pub boot: Boot,
+    /// The dependencies shared by every run.
     pub deps: Arc<RunDeps>,
     /// The actor was started for a stored control: if another node owns the run, wake it.
     pub wake_owner: bool,
@@ -250,12 +289,26 @@ const LATE_RESULT_GRACE: Duration = Duration::from_secs(60);
 /// Why a run actor stopped itself or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The store holds no checkpoint for the run.
     #[error("run {0}: checkpoint not found")]
     Missing(RunId),
+    /// The checkpoint does not decode into a `RunState`.
     #[error("run {run}: checkpoint is unreadable: {message}")]
-    Corrupt { run: RunId, message: String },
+    Corrupt {
+        /// The run.
+        run: RunId,
+        /// Why it does not decode.
+        message: String,
+    },
+    /// The store failed with an error that retrying does not cure.
     #[error("run {run}: {source}")]
-    Store { run: RunId, source: store::Error },
+    Store {
+        /// The run.
+        run: RunId,
+        /// The store's error.
+        source: store::Error,
+    },
+    /// An internal invariant did not hold.
     #[error("{0}")]
     Bug(String),
 }
@@ -312,6 +365,8 @@ impl CheckpointWriter {
         self.stored = self.messages_json.len();
     }
 
+    /// The run's checkpoint to commit next: its body and only the transcript entries the store does
+    /// not hold yet (`transcript_from` where they begin). Call `committed` once it is stored.
     pub fn checkpoint(&mut self, run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
         if self.messages_json.len() > run.messages.len() {
             self.messages_json.clear();

@@ -34,22 +34,28 @@ impl LeaseBook {
         self.leases.insert(lease.run_id.clone(), (lease, now_ms));
     }
 
+    /// Forgets the run's lease (the run was released, passivated or lost); no longer renewed.
     pub fn remove(&self, run: &RunId) {
         self.leases.remove(run);
     }
 
+    /// Whether this node holds a lease on the run (as of its last renewal; not checked against the
+    /// store).
     pub fn holds(&self, run: &RunId) -> bool {
         self.leases.contains_key(run)
     }
 
+    /// How many leases this node holds.
     pub fn len(&self) -> usize {
         self.leases.len()
     }
 
+    /// Whether this node holds no lease.
     pub fn is_empty(&self) -> bool {
         self.leases.is_empty()
     }
 
+    /// A copy of every lease held, for a renewal round or a release at shutdown.
     pub fn snapshot(&self) -> Vec<Lease> {
         self.leases.iter().map(|e| e.value().0.clone()).collect()
     }
@@ -141,7 +147,9 @@ fn host_name() -> String {
 
 /// The background loops of one node; they stop with `stop`.
 pub struct Ownership {
+    /// Cancelled at shutdown to end the loops.
     pub stop: CancellationToken,
+    /// This process's instance string (see [`instance_id`]), under which the node id is registered.
     pub instance: String,
 }
 

@@ -29,10 +29,13 @@ use crate::ids::RunId;
 pub struct RestartPolicy {
     /// Crashes allowed within `window`; one more fails the run.
     pub max_restarts: u32,
+    /// How far back crashes are counted (a sliding window).
     #[serde(with = "crate::config_duration")]
     pub window: Duration,
+    /// Wait before the first restart; it doubles with each further crash in the window.
     #[serde(with = "crate::config_duration")]
     pub backoff_base: Duration,
+    /// Longest wait before a restart (before the ±20 % jitter).
     #[serde(with = "crate::config_duration")]
     pub backoff_max: Duration,
 }
@@ -66,12 +69,20 @@ pub struct RunSupervisor;
 /// What the supervisor handles.
 pub enum SupervisorMsg {
     /// Start (or adopt) a run's actor.
-    Start { id: RunId, boot: Boot },
+    Start {
+        /// The run.
+        id: RunId,
+        /// How its actor begins.
+        boot: Boot,
+    },
     /// A control was stored at inbox `seq`: wake the run's actor (bringing it back if it is
     /// not live); the reply comes from the actor once that entry is consumed.
     Control {
+        /// The run the control is for.
         id: RunId,
+        /// The control's position in the run's inbox.
         seq: u64,
+        /// Gets the run's state once the entry is consumed, or why it did not apply.
         reply: RpcReplyPort<ControlReply>,
     },
     /// Controls were stored for the run (through another node): wake its actor.
@@ -88,7 +99,9 @@ pub enum SupervisorMsg {
 
 /// Start arguments.
 pub struct SupervisorArgs {
+    /// The dependencies every run actor it starts shares.
     pub deps: Arc<RunDeps>,
+    /// When a crashing run is restarted, and when it fails `crash_loop` instead.
     pub restart: RestartPolicy,
 }
 

@@ -67,6 +67,7 @@ impl Keys {
         }
     }
 
+    /// The key prefix every key starts with (checked by [`Keys::new`]).
     pub fn namespace(&self) -> &str {
         &self.ns
     }

@@ -82,6 +82,7 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
+    /// An empty store with a fresh random epoch marker.
     pub fn new() -> Self {
         Self::default()
     }

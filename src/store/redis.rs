@@ -67,6 +67,8 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
+    /// A config for `url` with the defaults: namespace `agentd`, 5 s per operation, 2 s to connect,
+    /// group commit on (queue of 4096, up to 256 commits per pipeline, 4 pipelines in flight).
     pub fn new(url: impl Into<String>) -> Self {
         RedisConfig {
             url: url.into(),
@@ -80,16 +82,19 @@ impl RedisConfig {
         }
     }
 
+    /// Sets the key prefix (checked when the store opens).
     pub fn namespace(mut self, ns: impl Into<String>) -> Self {
         self.namespace = ns.into();
         self
     }
 
+    /// Sets the upper bound for one store operation, reconnects included.
     pub fn op_timeout(mut self, d: Duration) -> Self {
         self.op_timeout = d;
         self
     }
 
+    /// Turns batching of concurrent commits into pipelines on or off (single Redis only).
     pub fn group_commit(mut self, on: bool) -> Self {
         self.group_commit = on;
         self
