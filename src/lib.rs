@@ -8,6 +8,8 @@
 //! - `store`: checkpoints, leases, control inbox and event logs;
 //! - `ids`, `idempotency`, `clock`: small shared pieces.
 
+#![warn(missing_docs)]
+
 pub mod agent;
 pub mod api;
 pub mod bench;
