@@ -211,7 +211,7 @@ async fn scripted_tool_calls_reach_the_http_tool_with_an_idempotency_key() {
         .iter()
         .map(|t| t["function"]["name"].as_str().unwrap())
         .collect();
-    assert_eq!(offered, ["restart", "deploy", "ask_user"]);
+    assert_eq!(offered, ["restart", "deploy", "ask_user", "read_output"]);
     assert!(tool_message(&reqs[1], "c1").contains(r#""applied":true"#));
     d.stop().await;
 }
@@ -561,7 +561,12 @@ async fn mcp_tools_of_the_reference_server_run_through_the_daemon() {
         .collect();
     assert_eq!(
         names,
-        ["everything__echo", "everything__get-sum", "ask_user"]
+        [
+            "everything__echo",
+            "everything__get-sum",
+            "ask_user",
+            "read_output"
+        ]
     );
     let id = create(&d, "mcp", "add 2 and 3").await;
     let run = d.wait_status(ALPHA, &id, "succeeded").await;

@@ -337,7 +337,7 @@ async fn an_oversized_context_is_rebuilt_once() {
 }
 
 #[tokio::test]
-async fn ask_user_can_be_switched_off_per_agent() {
+async fn ask_user_and_read_output_can_be_switched_off_per_agent() {
     let model = FakeOpenAi::start().await;
     let tools = ToolServer::start().await;
     model
@@ -348,7 +348,9 @@ async fn ask_user_can_be_switched_off_per_agent() {
         )]))
         .push(Scripted::text("Paris, decided alone"));
     let d = start(&model, &tools, |c| {
-        c.agents.get_mut("ops").unwrap().ask_user = false;
+        let ops = c.agents.get_mut("ops").unwrap();
+        ops.ask_user = false;
+        ops.read_output = false;
     })
     .await;
     let id = create(&d, "pick a city").await;
@@ -361,7 +363,11 @@ async fn ask_user_can_be_switched_off_per_agent() {
         .iter()
         .map(|t| t["function"]["name"].as_str().unwrap())
         .collect();
-    assert_eq!(offered, ["lookup"], "ask_user is not offered");
+    assert_eq!(
+        offered,
+        ["lookup"],
+        "neither ask_user nor read_output is offered"
+    );
     let corrected = tool_messages(&requests[1].body);
     assert_eq!(
         corrected[0]["error"]["code"], "invalid_argument",

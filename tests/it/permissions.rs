@@ -88,8 +88,22 @@ impl Token {
 /// The test configuration plus tenant `gamma` (every token above) and `add` needing `math`.
 fn gamma_config() -> Config {
     let tokens: Vec<String> = TOKENS.iter().map(Token::toml).collect();
+    // `reader` reads its own earlier output back with the runtime's `read_output`.
+    let reader = r#"
+[models.read]
+kind = "scripted"
+replies = [
+  { tool_calls = [ { name = "echo", arguments = { text = "to read back" } } ] },
+  { tool_calls = [ { name = "read_output", arguments = { call_id = "m1_0" } } ] },
+  { text = "read" },
+]
+
+[agents.reader]
+model = "read"
+tools = ["echo"]
+"#;
     let text = format!(
-        "{CONFIG}\n[[tenants]]\nid = \"gamma\"\ntokens = [{}]\n",
+        "{CONFIG}\n{reader}\n[[tenants]]\nid = \"gamma\"\ntokens = [{}]\n",
         tokens.join(", ")
     );
     let mut c = Config::from_toml(&text).unwrap();
@@ -143,6 +157,8 @@ fn tool_rule(tool: &str) -> (&'static str, Option<&'static str>) {
         "echo" => ("slow", None),
         "charge" => ("approver", None),
         "ask_user" => ("asker", None),
+        // Runtime-provided and reading only the run's own outputs: every scope may.
+        "read_output" => ("reader", None),
         other => panic!("no permission rule for tool {other:?}: add one"),
     }
 }
