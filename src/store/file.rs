@@ -189,6 +189,20 @@ fn decode(run: &RunId, json: &str) -> Result<Checkpoint> {
     serde_json::from_str(json).map_err(|e| corrupt(run, "decoding checkpoint", e))
 }
 
+/// The fields of a stored checkpoint a commit checks, read without copying its body.
+#[derive(Deserialize)]
+struct Head<'a> {
+    version: u64,
+    #[serde(borrow)]
+    status: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    tenant: std::borrow::Cow<'a, str>,
+}
+
+fn decode_head<'a>(run: &RunId, json: &'a str) -> Result<Head<'a>> {
+    serde_json::from_str(json).map_err(|e| corrupt(run, "decoding checkpoint", e))
+}
+
 /// The `META` entry saying the listing indexes cover every run.
 const LIST_INDEX_MARK: &str = "list_index";
 
@@ -625,7 +639,7 @@ impl<'t> Tables<'t> {
             });
         }
         let last = last_seq(&self.events, run)?;
-        let before = decode(run, &stored)?;
+        let before = decode_head(run, &stored)?;
         let found = before.version;
         if found != j.expected {
             let replay = stored == j.json && j.events.last().is_none_or(|(seq, _)| *seq == last);
@@ -642,17 +656,19 @@ impl<'t> Tables<'t> {
         self.append_transcript(run, j.transcript_from, &j.transcript)?;
         self.runs.insert(run.as_str(), j.json.as_str()).map_err(w)?;
         if before.status != j.status {
-            let tenant = before.tenant.as_str();
+            let tenant: &str = &before.tenant;
             self.tenant_status_runs
-                .remove((tenant, before.status.as_str(), run.as_str()))
+                .remove((tenant, &*before.status, run.as_str()))
                 .map_err(w)?;
             self.tenant_status_runs
                 .insert((tenant, j.status.as_str(), run.as_str()), ())
                 .map_err(w)?;
         }
         self.append_events(run, &j.events)?;
-        self.set_active(run, j.terminal)?;
+        // Only a run that ends leaves the active set: rewriting its entry at every commit
+        // would dirty (and write) one more page per commit.
         if j.terminal {
+            self.set_active(run, true)?;
             self.set_due(run, None)?;
         }
         Ok(())

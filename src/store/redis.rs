@@ -138,17 +138,19 @@ for i = 1, m, 500 do
   redis.call('RPUSH', KEYS[3], unpack(ARGV, 6 + 2 * n + i, 6 + 2 * n + math.min(i + 499, m)))
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[1], 'doc', ARGV[2], 'status', ARGV[3],
-  'terminal', ARGV[4], 'seq', n, 'tokens', 0)
+  'terminal', ARGV[4], 'seq', n, 'tokens', 0, 'tl', m)
 return {0, ''}
 "#;
 
 /// KEYS: ckpt, events, transcript.
 /// ARGV: token, expected, new_version, doc, status, terminal(0|1), n, then n × (seq, json),
 /// then transcript_from, m, and m transcript entries.
-/// Answers OK with the status the commit replaced.
+/// Answers OK with the status the commit replaced. The record's hash keeps `tl`, the length
+/// of the transcript list, written with it, so the commit reads one hash and no list (records
+/// written before `tl` existed ask the list once).
 const COMMIT_LUA: &str = r#"
-if redis.call('EXISTS', KEYS[1]) == 0 then return {2, ''} end
-local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq', 'status')
+local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq', 'status', 'tl')
+if not h[2] then return {2, ''} end
 if h[1] ~= ARGV[1] then return {3, ''} end
 local v = tonumber(h[2])
 local last = tonumber(h[3])
@@ -165,7 +167,7 @@ for i = 1, n do
   if tonumber(ARGV[6 + 2 * i]) ~= last + i then return {5, ARGV[6 + 2 * i]} end
 end
 -- The transcript continues where it ends, or the write is torn.
-local llen = redis.call('LLEN', KEYS[3])
+local llen = tonumber(h[5]) or redis.call('LLEN', KEYS[3])
 if llen ~= tonumber(ARGV[8 + 2 * n]) then return {6, tostring(llen)} end
 for i = 1, n do
   redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
@@ -175,7 +177,7 @@ for i = 1, m, 500 do
   redis.call('RPUSH', KEYS[3], unpack(ARGV, 9 + 2 * n + i, 9 + 2 * n + math.min(i + 499, m)))
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[3], 'doc', ARGV[4], 'status', ARGV[5],
-  'terminal', ARGV[6], 'seq', last + n)
+  'terminal', ARGV[6], 'seq', last + n, 'tl', llen + m)
 -- The status it replaced, for the listing index.
 return {0, h[4] or ''}
 "#;
