@@ -344,11 +344,14 @@ fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
 
 /// Writes checkpoints of one run. The transcript only grows, and the store keeps it apart,
 /// append-only: each commit sends the small body and only the messages the store does not
-/// hold yet, each serialized once. So the bytes of a commit do not grow with the run.
+/// hold yet, each serialized once. So the bytes of a commit do not grow with the run, and
+/// neither does the writer: it keeps only the JSON of messages not stored yet.
 #[derive(Debug, Default)]
 pub struct CheckpointWriter {
-    /// JSON of each message serialized so far.
-    messages_json: Vec<String>,
+    /// JSON of the messages from `stored` on, serialized for a commit that has not landed.
+    pending: Vec<String>,
+    /// How many of the run's messages are stored or in `pending`.
+    serialized: usize,
     /// How many transcript entries the store holds, as of the last commit or load.
     stored: usize,
 }
@@ -356,29 +359,34 @@ pub struct CheckpointWriter {
 impl CheckpointWriter {
     /// Starts over from a checkpoint read back from the store.
     pub fn loaded(&mut self, cp: &Checkpoint) {
-        self.messages_json.clear();
+        self.pending.clear();
         self.stored = format::stored_transcript_len(&cp.body).unwrap_or(0);
+        self.serialized = self.stored;
     }
 
     /// The last checkpoint handed out was committed: the store holds its transcript.
     pub fn committed(&mut self) {
-        self.stored = self.messages_json.len();
+        self.stored = self.serialized;
+        self.pending.clear();
     }
 
     /// The run's checkpoint to commit next: its body and only the transcript entries the store does
     /// not hold yet (`transcript_from` where they begin). Call `committed` once it is stored.
     pub fn checkpoint(&mut self, run: &mut RunState) -> Result<Checkpoint, serde_json::Error> {
-        if self.messages_json.len() > run.messages.len() {
-            self.messages_json.clear();
+        if self.serialized > run.messages.len() {
+            // Never expected (the transcript only grows): serialize again from what is stored.
+            self.stored = self.stored.min(run.messages.len());
+            self.serialized = self.stored;
+            self.pending.clear();
         }
-        for m in &run.messages[self.messages_json.len()..] {
-            self.messages_json.push(serde_json::to_string(m)?);
+        for m in &run.messages[self.serialized..] {
+            self.pending.push(serde_json::to_string(m)?);
         }
+        self.serialized = run.messages.len();
         let body = format::encode(run)?;
         let mut c = checkpoint_with_body(run, body);
-        let from = self.stored.min(self.messages_json.len());
-        c.transcript_from = from as u64;
-        c.transcript = self.messages_json[from..].to_vec();
+        c.transcript_from = self.stored as u64;
+        c.transcript = self.pending.clone();
         Ok(c)
     }
 }
@@ -1424,6 +1432,7 @@ mod tests {
             assert_eq!(again.transcript, c.transcript);
             stored.extend(c.transcript.clone());
             w.committed();
+            assert!(w.pending.is_empty(), "nothing stored is kept");
             let mut back = c.clone();
             back.transcript = stored.clone();
             assert_eq!(state_of(&back).unwrap(), run);

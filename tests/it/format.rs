@@ -183,10 +183,10 @@ fn fixture_v3() -> (Checkpoint, Vec<EventRecord>) {
     fixture(include_str!("fixtures/checkpoint-v3-waiting-approval.json"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_version_3_run_resumes_and_appends_to_its_stored_transcript() {
-    let (cp, events) = fixture_v3();
-    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 3);
+/// Stores a fixture run that waits for approval (two transcript entries), starts the runtime,
+/// approves the call and waits for the run to succeed; checks that the stored transcript was
+/// read, then appended to and never rewritten. Returns the run's final stored record.
+async fn approve_and_finish(cp: Checkpoint, events: Vec<EventRecord>) -> Checkpoint {
     let fixture_transcript = cp.transcript.clone();
     assert_eq!(fixture_transcript.len(), 2);
     let (builder, ledger) = harness();
@@ -217,6 +217,14 @@ async fn a_version_3_run_resumes_and_appends_to_its_stored_transcript() {
         "appended to, never rewritten"
     );
     h.shutdown().await;
+    stored
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_3_run_resumes_and_appends_to_its_stored_transcript() {
+    let (cp, events) = fixture_v3();
+    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 3);
+    approve_and_finish(cp, events).await;
 }
 
 /// The fixture of format version 4 (the progress tracker's lists compact): the version 3
@@ -229,34 +237,15 @@ fn fixture_v4() -> (Checkpoint, Vec<EventRecord>) {
 async fn a_version_4_run_with_compact_progress_lists_resumes_and_finishes() {
     let (cp, events) = fixture_v4();
     assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 4);
-    let fixture_transcript = cp.transcript.clone();
-    assert_eq!(fixture_transcript.len(), 2);
-    let (builder, ledger) = harness();
-    builder.store.create(&cp, &events, None).await.unwrap();
-    let h = builder.start().await;
-    let run = h
-        .handle
-        .wait_until(TENANT, &cp.run_id, WAIT, |r| {
-            r.status == Status::WaitingApproval
-        })
-        .await
-        .unwrap();
-    assert_eq!(run.messages.len(), 2, "the stored transcript is read");
-    let call = run.pending_approvals().next().unwrap().call_id.clone();
-    h.handle
-        .decide(TENANT, &cp.run_id, &call, true, None, None, None)
-        .await
-        .unwrap();
-    let run = h.finish(&cp.run_id).await;
-    assert_eq!(run.status, Status::Succeeded);
-    assert_eq!(run.output, Some(json!("deployed")));
-    assert_eq!(ledger.total(), 1);
-    let stored = h.store.load(&cp.run_id).await.unwrap().unwrap();
-    assert_eq!(stored.transcript.len(), run.messages.len());
-    assert_eq!(
-        stored.transcript[..2],
-        fixture_transcript[..],
-        "appended to, never rewritten"
+    let before = agentd::runtime::actor::state_of(&cp).unwrap();
+    assert_eq!(before.progress.seen, [(0x5be2a1f3, 1), (0x9c01d2e4, 1)]);
+    let stored = approve_and_finish(cp, events).await;
+    // The tracker went on from the stored lists and is written back compactly.
+    let after = agentd::runtime::actor::state_of(&stored).unwrap();
+    assert_eq!(after.progress.seen[..2], before.progress.seen[..]);
+    assert!(
+        stored.body.contains(r#""seen":"5be2a1f3.1 9c01d2e4.1"#),
+        "{}",
+        stored.body
     );
-    h.shutdown().await;
 }
