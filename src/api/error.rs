@@ -18,9 +18,13 @@
 //! | `unknown_agent` | 422 | `agent` names no configured agent |
 //! | `idempotency_key_mismatch` | 422 | an `idempotency_key` reused with a different agent or input |
 //! | `too_many_active_runs` | 429 | the tenant's active-run quota is full (`Retry-After`) |
+//! | `too_many_streams` | 429 | the tenant holds `limits.max_streams_per_tenant` open event streams (`Retry-After`) |
+//! | `inbox_full` | 429 | the run holds 64 controls it has not applied yet; nothing is stored (`Retry-After`) |
 //! | `internal` | 500 | a bug (a panic is caught here); nothing of it is shown |
 //! | `store_unavailable` | 503 | the store does not answer (`Retry-After`) |
 //! | `shutting_down` | 503 | the daemon is stopping (`Retry-After`) |
+//! | `timeout` | 503 | the run did not answer a control in time; its state is unchanged or the control is queued (`Retry-After`) |
+//! | `store_reset` | 503 | the store lost its data since the daemon started (its epoch marker changed) |
 //! | `not_ready` | 503 | `/readyz` while starting or draining |
 
 use axum::Json;

@@ -229,3 +229,18 @@ async fn the_document_is_exactly_as_strict_as_the_daemon() {
     }
     d.stop().await;
 }
+
+/// Every error code the API answers has its row in `docs/api.md` (and in `api/error.rs`).
+#[test]
+fn every_error_code_is_documented_with_its_status() {
+    let docs = include_str!("../../docs/api.md");
+    let source = include_str!("../../src/api/error.rs");
+    for code in agentd::api::openapi::ERROR_CODES {
+        let row = format!("| `{code}` | ");
+        assert!(docs.contains(&row), "docs/api.md has no row for {code}");
+        assert!(
+            source.contains(&row),
+            "src/api/error.rs has no row for {code}"
+        );
+    }
+}
