@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use crate::agent::AgentSpec;
 use crate::ids::RunId;
-use crate::model::scripted::ScriptedModel;
+use crate::model::scripted::{ScriptedModel, turn_of};
 use crate::model::{ModelProvider, ModelReply, ModelToolCall};
 use crate::pool::PoolSize;
 use crate::run::{Budget, Status};
@@ -362,9 +362,6 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     // Steps begun (model replies that call the tool), for the by-turn Redis figures.
     let begun = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let begun_by_model = begun.clone();
-    // Turns counted per run here: once older turns are condensed, a request no longer shows
-    // how many there were.
-    let turns: Arc<DashMap<RunId, u32>> = Arc::new(DashMap::new());
     let model = ScriptedModel::from_fn("bench", move |req| {
         let now = Instant::now();
         if let Some(prev) = lc.insert(req.run_id.clone(), now)
@@ -372,11 +369,8 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         {
             l.push(now.duration_since(prev).as_micros().min(u32::MAX as u128) as u32);
         }
-        let turn = {
-            let mut n = turns.entry(req.run_id.clone()).or_insert(0);
-            *n += 1;
-            *n
-        };
+        // Counted over the run's whole history: older turns are condensed in long runs.
+        let turn = turn_of(req);
         if park {
             return Ok(ModelReply {
                 text: None,

@@ -96,6 +96,10 @@ pub struct ModelRequest {
     pub tools: std::sync::Arc<[ToolDefinition]>,
     /// Whether tools may be called on this turn (`None` on a forced final turn).
     pub tool_choice: ToolChoice,
+    /// How many replies of the model the run's whole history holds. `messages` may show fewer
+    /// once older turns are condensed, so this, not a count of `messages`, says which turn the
+    /// request is for (`scripted::turn_of`).
+    pub prior_replies: u32,
 }
 
 /// Tokens a reply consumed.

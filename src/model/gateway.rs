@@ -589,6 +589,7 @@ mod tests {
 
     fn request(tenant: &str) -> ModelRequest {
         ModelRequest {
+            prior_replies: 0,
             run_id: RunId::generate(),
             tenant: tenant.into(),
             model: "m".into(),

@@ -1108,6 +1108,7 @@ mod tests {
         let p = OpenAiProvider::new(cfg).unwrap();
         assert_eq!(p.endpoint, "http://h/v1/chat/completions");
         let req = ModelRequest {
+            prior_replies: 0,
             run_id: RunId::generate(),
             tenant: "t".into(),
             model: "local".into(),

@@ -141,14 +141,17 @@ impl std::fmt::Debug for ScriptedModel {
     }
 }
 
-/// The turn a request is for: assistant messages so far + 1.
+/// The turn a request is for: the model's replies so far + 1. Counted over the run's whole
+/// history (`prior_replies`), or over the request's messages when that is larger (a request
+/// built by hand, in tests), so a long run whose older turns were condensed keeps its place in
+/// a cassette.
 pub fn turn_of(request: &ModelRequest) -> u32 {
-    request
+    let shown = request
         .messages
         .iter()
         .filter(|m| matches!(m, Message::Assistant { .. }))
-        .count() as u32
-        + 1
+        .count() as u32;
+    shown.max(request.prior_replies) + 1
 }
 
 impl ScriptedModel {
@@ -521,6 +524,7 @@ mod tests {
 
     fn request(messages: Vec<Message>) -> ModelRequest {
         ModelRequest {
+            prior_replies: 0,
             run_id: RunId::generate(),
             tenant: "t".into(),
             model: "m".into(),

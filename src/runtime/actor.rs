@@ -29,7 +29,7 @@ use crate::hub::Hub;
 use crate::ids::{CallId, RunId};
 use crate::metrics::Metrics;
 use crate::model::gateway::ModelGateway;
-use crate::model::{ModelRequest, ToolChoice};
+use crate::model::{Message, ModelRequest, ToolChoice};
 use crate::redact::Redactor;
 use crate::run::format;
 use crate::run::machine::{
@@ -1192,6 +1192,11 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 tenant: run.tenant.clone(),
                 model: live.agent.spec.model.clone(),
                 messages: live.agent.context(run),
+                prior_replies: run
+                    .messages
+                    .iter()
+                    .filter(|m| matches!(m, Message::Assistant { .. }))
+                    .count() as u32,
                 tools: match tool_choice {
                     ToolChoice::Auto => live.agent.definitions.clone(),
                     ToolChoice::None => Vec::new().into(),
@@ -1394,7 +1399,6 @@ fn effect_kind(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::model::Message;
     use serde_json::json;
 
     #[test]

@@ -60,7 +60,8 @@ mod partition;
 /// Scopes × tools × routes, approver roles, agents per tenant, injection against guards,
 /// result projection, whom tools act for.
 mod permissions;
-/// `read_output`: a cut tool output read back whole in pages; other runs' references refused.
+/// `read_output`: a cut tool output read back whole in pages, other runs' references refused;
+/// a condensed long run keeps its place in a cassette.
 mod read_output;
 /// A run against a real small model, when `AGENTD_REAL_MODEL_URL` is set (else skipped).
 mod real_model;

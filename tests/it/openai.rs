@@ -24,6 +24,7 @@ fn provider(fake: &FakeOpenAi, timeout: Duration) -> OpenAiProvider {
 
 fn request(tools: bool) -> ModelRequest {
     ModelRequest {
+        prior_replies: 0,
         run_id: RunId::generate(),
         tenant: "t".into(),
         model: "fake".into(),

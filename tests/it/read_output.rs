@@ -1,6 +1,7 @@
-//! The runtime's `read_output` tool (issue 9): a tool output the context cuts names the call
-//! that reads on, and the model reads the whole stored output back in bounded pages; a
-//! reference of another run is refused and reads nothing. Through the daemon's HTTP API, with
+//! Long outputs and long runs (issue 9): a tool output the context cuts names the
+//! `read_output` call that reads on, and the model reads the whole stored output back in
+//! bounded pages; a reference of another run is refused and reads nothing. A run whose older
+//! turns are condensed keeps its place in a scripted cassette. Through the daemon's HTTP API, with
 //! the real OpenAI-compatible provider against `FakeOpenAi` and an HTTP tool against the
 //! recording `ToolServer`.
 
@@ -186,5 +187,80 @@ async fn a_cut_output_is_read_back_whole_in_pages_and_other_runs_are_refused() {
             .contains("no output of call"),
         "{unknown}"
     );
+    d.stop().await;
+}
+
+/// A long run whose older turns are condensed keeps its place in a scripted cassette: the
+/// request shows fewer replies than the run made, and the scripted model counts the run's.
+#[tokio::test]
+async fn a_scripted_run_keeps_its_place_after_older_turns_are_condensed() {
+    let steps = 12;
+    let replies: Vec<String> = (1..=steps)
+        .map(|i| format!(r#"{{ tool_calls = [ {{ name = "echo", arguments = {{ text = "step {i} {}" }} }} ] }}"#, "x".repeat(200)))
+        .chain([r#"{ text = "done" }"#.to_owned()])
+        .collect();
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_timeout = "5s"
+
+[store]
+url = "memory:"
+
+[[tenants]]
+id = "alpha"
+tokens = ["{ALPHA}"]
+
+[models.long]
+kind = "scripted"
+replies = [
+{}
+]
+
+[tools.echo]
+kind = "builtin"
+builtin = "echo"
+
+[agents.long]
+model = "long"
+tools = ["echo"]
+max_turns = 20
+context_tokens = 600
+"#,
+        replies.join(",\n")
+    );
+    let d = TestDaemon::start_config(Config::from_toml(&text).unwrap()).await;
+    let id = d.create(ALPHA, "long").await;
+    let run = d
+        .wait_run(ALPHA, &id, |v| {
+            ["succeeded", "failed"].contains(&v["status"].as_str().unwrap_or_default())
+        })
+        .await;
+    assert_eq!(run["status"], "succeeded", "{run}");
+    assert_eq!(run["output"], "done");
+    let (s, v) = d
+        .get(&format!("/v1/runs/{id}/events?limit=500"), ALPHA)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    let events = v["events"].as_array().unwrap();
+    // The context (600 tokens) holds only the newest turns, yet every step was asked once, in
+    // order: counted from the requests alone, the cassette started over and the run ended
+    // `no_progress`.
+    let texts: Vec<String> = events
+        .iter()
+        .filter(|e| e["type"] == "model_replied")
+        .flat_map(|e| e["data"]["calls"].as_array().cloned().unwrap_or_default())
+        .map(|c| {
+            c["arguments"]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    let expected: Vec<String> = (1..=steps)
+        .map(|i| format!("step {i} {}", "x".repeat(200)))
+        .collect();
+    assert_eq!(texts, expected);
     d.stop().await;
 }
