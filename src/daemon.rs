@@ -85,17 +85,26 @@ pub async fn run_with(
     crate::redact::install_log_redactor(built.redactor.clone());
     let mcp_servers = built.mcp_servers;
     let mut runtime_config = config.runtime_config();
-    runtime_config.callbacks = Some(Arc::new(parts::build_callbacks(
-        &config,
-        listener.local_addr()?,
-    )?));
-    let runtime = match Runtime::start(runtime_config, built.parts).await {
+    // From here on a failed start stops the MCP servers it started.
+    let started = match listener.local_addr() {
+        Ok(addr) => match parts::build_callbacks(&config, addr) {
+            Ok(callbacks) => {
+                runtime_config.callbacks = Some(Arc::new(callbacks));
+                Runtime::start(runtime_config, built.parts)
+                    .await
+                    .map_err(Error::from)
+            }
+            Err(e) => Err(e.into()),
+        },
+        Err(e) => Err(e.into()),
+    };
+    let runtime = match started {
         Ok(r) => r,
         Err(e) => {
             for s in &mcp_servers {
                 s.shutdown().await;
             }
-            return Err(e.into());
+            return Err(e);
         }
     };
     let state = AppState {
