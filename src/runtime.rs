@@ -933,7 +933,10 @@ impl RuntimeHandle {
         Ok(follow::stream(self.inner.deps.clone(), id.clone(), after))
     }
 
-    /// Waits until the run satisfies `done` (checked after every event), or `timeout`.
+    /// Waits until the run satisfies `done` (checked after every event), or `timeout`. A run
+    /// that ends without satisfying it is `InvalidState` with its final status, at once: the
+    /// events followed end with the run (a late tool result recorded after the end is seen
+    /// in `events`, not here).
     pub async fn wait_until(
         &self,
         tenant: &str,
@@ -958,6 +961,11 @@ impl RuntimeHandle {
             let run = self.get_run(tenant, id).await?;
             if done(&run) {
                 Ok(run)
+            } else if run.is_terminal() {
+                Err(Error::InvalidState {
+                    status: run.status,
+                    message: "the run ended without reaching the awaited state".into(),
+                })
             } else {
                 Err(Error::Timeout)
             }

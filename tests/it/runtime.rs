@@ -909,3 +909,29 @@ async fn a_panicking_actor_cancels_its_calls_in_flight() {
         .expect("the panicked actor's call was not cancelled");
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_state_a_run_ends_without_answers_at_once_with_its_status() {
+    let h = Builder::new()
+        .model(ScriptedModel::from_fn("m", |_| Ok(text("done"))))
+        .agent(AgentSpec::new("quick", "m"))
+        .start()
+        .await;
+    let id = h.start_run("quick", "go").await;
+    let started = std::time::Instant::now();
+    let waited = h
+        .handle
+        .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+        .await;
+    match waited {
+        Err(agentd::runtime::Error::InvalidState { status, .. }) => {
+            assert_eq!(status, Status::Succeeded)
+        }
+        other => panic!("expected the run's end, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < WAIT / 2,
+        "answered without waiting out the timeout"
+    );
+    h.shutdown().await;
+}
