@@ -1255,14 +1255,10 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             }
             let Some(tool) = live.agent.tools.tool(&call.tool) else {
                 // Config changed since the call was validated: answer it without running it.
-                let result = ToolResult::failure(ToolError::new(
-                    ToolErrorCode::ToolNotAllowed,
-                    format!("tool `{}` is no longer available", call.tool),
-                ));
                 let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
                     epoch,
                     call_id,
-                    result,
+                    result: tool_gone(&call.tool),
                 }));
                 return;
             };
@@ -1292,18 +1288,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             let observed =
                 metrics.tool_call(&mut live.trace, run, &call.tool, &call_id, status_check);
             live.tools_in_flight += 1;
-            // Each executor retry becomes an event on the run (through the machine).
-            let notify = myself.clone();
-            let retried = call_id.clone();
-            let on_retry: crate::tool::executor::OnRetry = Box::new(move |n| {
-                let _ = notify.cast(RunMsg::Event(RunEvent::ToolRetrying {
-                    epoch,
-                    call_id: retried.clone(),
-                    attempt: n.attempt,
-                    error: n.error,
-                    wait_ms: n.wait.as_millis() as u64,
-                }));
-            });
+            let on_retry = retry_events(myself, epoch, &call_id);
             deps.tools
                 .submit_observed(tool, ctx, work, Some(on_retry), move |outcome| {
                     let event = match outcome {
@@ -1321,11 +1306,7 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                         }
                         ToolOutcome::Status(mut outcome) => {
                             observed.finish_status(&outcome);
-                            match &mut outcome {
-                                Ok(Some(result)) => result.redact(&redactor),
-                                Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
-                                Ok(None) => {}
-                            }
+                            redact_status(&mut outcome, &redactor);
                             RunEvent::StatusChecked {
                                 epoch,
                                 call_id,
@@ -1385,6 +1366,46 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
                 myself.exit_after(LATE_RESULT_GRACE);
             }
         }
+    }
+}
+
+/// The answer to a call whose tool the configuration no longer has: it is not run.
+fn tool_gone(tool: &str) -> ToolResult {
+    ToolResult::failure(ToolError::new(
+        ToolErrorCode::ToolNotAllowed,
+        format!("tool `{tool}` is no longer available"),
+    ))
+}
+
+/// Each executor retry of call `call_id` becomes a `ToolRetrying` event on the run (through
+/// the machine).
+fn retry_events(
+    myself: &ActorRef<RunMsg>,
+    epoch: u64,
+    call_id: &crate::ids::CallId,
+) -> crate::tool::executor::OnRetry {
+    let notify = myself.clone();
+    let call_id = call_id.clone();
+    Box::new(move |n| {
+        let _ = notify.cast(RunMsg::Event(RunEvent::ToolRetrying {
+            epoch,
+            call_id: call_id.clone(),
+            attempt: n.attempt,
+            error: n.error,
+            wait_ms: n.wait.as_millis() as u64,
+        }));
+    })
+}
+
+/// A status check's answer redacted like a result before it enters the run.
+fn redact_status(
+    outcome: &mut Result<Option<ToolResult>, ToolError>,
+    redactor: &crate::redact::Redactor,
+) {
+    match outcome {
+        Ok(Some(result)) => result.redact(redactor),
+        Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
+        Ok(None) => {}
     }
 }
 

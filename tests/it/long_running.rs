@@ -10,7 +10,7 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use crate::daemon_support::{ALPHA, BETA, CONFIG, TestDaemon, assert_error};
-use crate::fakes::{LongTool, PollAnswer};
+use crate::fakes::{AcceptedCall, LongTool, PollAnswer};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -73,6 +73,12 @@ async fn callback(
 fn path_of(url: &str) -> String {
     let u = reqwest::Url::parse(url).unwrap();
     u.path().to_owned()
+}
+
+/// Posts `body` as the result of `call`, to its own callback route with its own token.
+async fn answer(d: &TestDaemon, call: &AcceptedCall, body: Value) -> (StatusCode, Value) {
+    let path = path_of(call.callback_url.as_deref().unwrap());
+    callback(d, &path, call.callback_token.as_deref(), body).await
 }
 
 /// Nothing of the token is in the run's events, transcript or record.
@@ -306,9 +312,7 @@ async fn cancelling_an_awaiting_run_stops_polling_and_refuses_a_later_result() {
     );
     assert!(tool.polls() <= after_cancel + 1);
     // A result after the cancel is refused and changes nothing.
-    let path = path_of(call.callback_url.as_deref().unwrap());
-    let token = call.callback_token.unwrap();
-    let (s, v) = callback(&d, &path, Some(&token), json!({"ok": true, "data": "late"})).await;
+    let (s, v) = answer(&d, &call, json!({"ok": true, "data": "late"})).await;
     assert_error(s, &v, StatusCode::CONFLICT, "invalid_state");
     assert_eq!(v["error"]["status"], "cancelled");
     let evs = events(&d, &id).await;
@@ -392,15 +396,7 @@ async fn an_awaiting_run_passivates_and_is_woken_by_its_poll_timer_and_by_a_call
     let (_, run) = d.get(&format!("/v1/runs/{id}"), ALPHA).await;
     assert_eq!(run["phase"], "awaiting_tool", "{run}");
     // A callback to the passivated run completes the call.
-    let path = path_of(call.callback_url.as_deref().unwrap());
-    let token = call.callback_token.unwrap();
-    let (s, v) = callback(
-        &d,
-        &path,
-        Some(&token),
-        json!({"ok": true, "data": "result-42"}),
-    )
-    .await;
+    let (s, v) = answer(&d, &call, json!({"ok": true, "data": "result-42"})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let run = d.wait_status(ALPHA, &id, "succeeded").await;
     assert_eq!(run["output"], "got 42", "{run}");
@@ -492,25 +488,11 @@ async fn a_callback_through_another_node_completes_the_call() {
         .await;
     // The result goes to node b, which does not own the run: it is stored in the run's inbox
     // and applied by its owner.
-    let path = path_of(call.callback_url.as_deref().unwrap());
-    let token = call.callback_token.unwrap();
-    let (s, v) = callback(
-        &b,
-        &path,
-        Some(&token),
-        json!({"ok": true, "data": "result-42"}),
-    )
-    .await;
+    let (s, v) = answer(&b, &call, json!({"ok": true, "data": "result-42"})).await;
     assert_eq!(s, StatusCode::OK, "{v}");
     let run = b.wait_status(ALPHA, &id, "succeeded").await;
     assert_eq!(run["output"], "got 42", "{run}");
-    let (s, v) = callback(
-        &a,
-        &path,
-        Some(&token),
-        json!({"ok": true, "data": "again"}),
-    )
-    .await;
+    let (s, v) = answer(&a, &call, json!({"ok": true, "data": "again"})).await;
     assert_error(s, &v, StatusCode::CONFLICT, "invalid_state");
     b.stop().await;
     a.stop().await;

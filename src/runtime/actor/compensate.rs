@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use ractor::ActorRef;
 
-use super::{Live, RunDeps, RunMsg};
+use super::{Live, RunDeps, RunMsg, redact_status, retry_events, tool_gone};
 use crate::ids::CallId;
 use crate::run::machine::RunEvent;
 use crate::tool::executor::{ToolOutcome, ToolWork};
@@ -38,14 +38,10 @@ pub(super) fn execute(
         .or_else(|| live.agent.tools.tool(&k.tool));
     let Some(tool) = tool else {
         // Config changed since the compensation was recorded: answer it without running it.
-        let result = ToolResult::failure(ToolError::new(
-            ToolErrorCode::ToolNotAllowed,
-            format!("tool `{}` is no longer available", k.tool),
-        ));
         let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
             epoch,
             call_id,
-            result,
+            result: tool_gone(&k.tool),
         }));
         return;
     };
@@ -71,17 +67,7 @@ pub(super) fn execute(
     let redactor = deps.redactor.clone();
     let sent = Instant::now();
     live.tools_in_flight += 1;
-    let notify = myself.clone();
-    let retried = call_id.clone();
-    let on_retry: crate::tool::executor::OnRetry = Box::new(move |n| {
-        let _ = notify.cast(RunMsg::Event(RunEvent::ToolRetrying {
-            epoch,
-            call_id: retried.clone(),
-            attempt: n.attempt,
-            error: n.error,
-            wait_ms: n.wait.as_millis() as u64,
-        }));
-    });
+    let on_retry = retry_events(myself, epoch, &call_id);
     deps.tools
         .submit_observed(tool, ctx, work, Some(on_retry), move |outcome| {
             let event = match outcome {
@@ -111,11 +97,7 @@ pub(super) fn execute(
                     )),
                 },
                 ToolOutcome::Status(mut outcome) => {
-                    match &mut outcome {
-                        Ok(Some(result)) => result.redact(&redactor),
-                        Err(e) => e.message = redactor.redact_str(&e.message).into_owned(),
-                        Ok(None) => {}
-                    }
+                    redact_status(&mut outcome, &redactor);
                     RunEvent::StatusChecked {
                         epoch,
                         call_id,

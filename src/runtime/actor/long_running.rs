@@ -175,14 +175,10 @@ pub(super) fn on_due(
         return;
     };
     let Some(tool) = live.agent.tools.tool(&call.tool) else {
-        let result = ToolResult::failure(ToolError::new(
-            ToolErrorCode::ToolNotAllowed,
-            format!("tool `{}` is no longer available", call.tool),
-        ));
         let _ = myself.cast(RunMsg::Event(RunEvent::ToolPolled {
             epoch,
             call_id,
-            result,
+            result: super::tool_gone(&call.tool),
         }));
         return;
     };
