@@ -872,6 +872,11 @@ pub struct RuntimeSection {
     /// actor; "0s" = never.
     #[serde(with = "crate::config_duration")]
     pub passivate_after: Duration,
+    /// A model reply whose only effects are read-only tool calls is committed together with
+    /// their results when they arrive within this window (one store write per step instead
+    /// of two), and on its own when they do not; "0s" = commit every transition on its own.
+    #[serde(with = "crate::config_duration")]
+    pub commit_window: Duration,
     /// `[runtime.restart]`: restarts of a crashing run.
     pub restart: RestartSection,
     /// Malformed model replies in a row before the run fails `invalid_model_output`.
@@ -913,6 +918,7 @@ impl Default for RuntimeSection {
             lease_ttl: r.lease_ttl,
             control_timeout: r.control_timeout,
             passivate_after: r.passivate_after.unwrap_or_default(),
+            commit_window: r.commit_window.unwrap_or_default(),
             restart: RestartSection {
                 max_restarts: r.restart.max_restarts,
                 window: r.restart.window,
@@ -1825,6 +1831,7 @@ impl Config {
             lease_ttl: r.lease_ttl,
             control_timeout: r.control_timeout,
             passivate_after: (!r.passivate_after.is_zero()).then_some(r.passivate_after),
+            commit_window: (!r.commit_window.is_zero()).then_some(r.commit_window),
             max_active_runs_per_tenant: match self.limits.max_active_runs_per_tenant {
                 0 => None,
                 n => Some(n),

@@ -175,11 +175,14 @@ async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Gives a Redis benchmark its own namespace so it never touches real runs.
+/// Gives a Redis benchmark its own namespace so it never touches real runs: random, and
+/// about as long as the default `agentd`, so keys (and the bytes per step) are as a
+/// daemon's.
 fn bench_store_url(url: &str) -> String {
     if url.starts_with("redis") && !url.contains("ns=") {
         let sep = if url.contains('?') { '&' } else { '?' };
-        format!("{url}{sep}ns=bench-{}", uuid::Uuid::now_v7().simple())
+        let random = uuid::Uuid::new_v4().simple().to_string();
+        format!("{url}{sep}ns=b{}", &random[..8])
     } else {
         url.to_owned()
     }

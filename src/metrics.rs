@@ -89,6 +89,9 @@ pub struct Metrics {
     pub runs_entered: [AtomicU64; 7],
     /// State transitions committed.
     pub transitions: AtomicU64,
+    /// Checkpoint commits that landed; one may carry several transitions (a read-only
+    /// dispatch committed with its result, `runtime.commit_window`).
+    pub commits: AtomicU64,
     /// Run actors restarted after a crash.
     pub restarts: AtomicU64,
     /// Runs failed with `crash_loop`.
@@ -169,6 +172,11 @@ impl Metrics {
                 "agentd_transitions_total",
                 "State transitions committed.",
                 &self.transitions,
+            ),
+            (
+                "agentd_store_commits_total",
+                "Checkpoint commits that landed (one may carry several transitions).",
+                &self.commits,
             ),
             (
                 "agentd_run_restarts_total",

@@ -72,12 +72,20 @@ pub struct RuntimeConfig {
     /// actor (its state stays in the store) and is rehydrated by its next message or timer.
     /// `None`: never.
     pub passivate_after: Option<Duration>,
+    /// How long a transition whose only effects are read-only tool calls may wait to be
+    /// committed together with the next one (their results, usually): one store write per
+    /// step instead of two. `None`: every transition is committed on its own.
+    pub commit_window: Option<Duration>,
     /// The callback route of long-running tools (`server.public_url` and the callback key);
     /// `None`: calls carry no callback and results arrive by polling only.
     pub callbacks: Option<Arc<crate::tool::callback::Callbacks>>,
     /// Traces and metric labels (`[telemetry]`): no traces and no tenant label by default.
     pub telemetry: crate::telemetry::TelemetryConfig,
 }
+
+/// The default of [`RuntimeConfig::commit_window`]: long enough for an in-process or local
+/// read tool to answer, short enough that a crash loses at most that much of a model reply.
+pub const DEFAULT_COMMIT_WINDOW: Duration = Duration::from_millis(5);
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
@@ -98,6 +106,7 @@ impl Default for RuntimeConfig {
             max_active_runs_per_tenant: None,
             max_input_bytes: 256 * 1024,
             passivate_after: Some(Duration::from_secs(60)),
+            commit_window: Some(DEFAULT_COMMIT_WINDOW),
             callbacks: None,
             telemetry: Default::default(),
         }
@@ -463,6 +472,7 @@ impl Runtime {
             faults: parts.faults,
             metrics,
             passivate_after: config.passivate_after,
+            commit_window: config.commit_window,
             active: DashMap::new(),
             redactor,
             leases: ownership::LeaseBook::default(),

@@ -64,6 +64,11 @@ pub enum RunMsg {
     Get(RpcReplyPort<RunState>),
     /// After a failed commit: read the checkpoint back and continue from it.
     Reload,
+    /// The commit window of the transition at `version` closed: commit it if it still waits.
+    CommitWindowClosed {
+        /// The run's version when the window opened.
+        version: u64,
+    },
     /// The store did not answer while the actor was starting: try again.
     RetryBoot,
     /// Tool calls were held back while the lease was not confirmed: send them if it is now.
@@ -214,6 +219,9 @@ pub struct RunDeps {
     pub metrics: Arc<Metrics>,
     /// Stop the actor of a run that has waited for approval or input this long (`None`: never).
     pub passivate_after: Option<Duration>,
+    /// How long a read-only dispatch may wait to be committed with the next transition
+    /// (`None`: never held).
+    pub commit_window: Option<Duration>,
     /// Non-terminal runs per tenant (for the per-tenant limit); a run leaves it when it ends.
     pub active: dashmap::DashMap<String, std::sync::atomic::AtomicI64>,
     /// Applied to event data before commit and to tool results before they enter the run.
@@ -268,6 +276,9 @@ struct Live {
     /// checkpoint has been read back (`RunMsg::Reload`).
     reloading: bool,
     held: Vec<RunMsg>,
+    /// Transitions applied but not committed yet: a read-only dispatch waiting (at most
+    /// `commit_window`) to be committed with the next transition.
+    uncommitted: Option<Uncommitted>,
     writer: CheckpointWriter,
     /// Calls whose approval-expiry timer is armed in this incarnation.
     approval_timers: HashSet<CallId>,
@@ -282,6 +293,9 @@ struct Live {
     /// The open turn span (`telemetry`).
     trace: crate::telemetry::RunTrace,
 }
+
+/// How long a stopping actor tries to store a transition still in its commit window.
+const UNCOMMITTED_FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a finished run waits for tool results still in flight.
 const LATE_RESULT_GRACE: Duration = Duration::from_secs(60);
@@ -469,13 +483,25 @@ impl Actor for RunActor {
 
     async fn post_stop(
         &self,
-        _myself: ActorRef<RunMsg>,
+        myself: ActorRef<RunMsg>,
         st: &mut RunActorState,
     ) -> Result<(), ActorProcessingErr> {
         if st.boot_failures > 0 {
             st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
         }
         if let Some(mut live) = st.live.take() {
+            if live.uncommitted.is_some() && !live.reloading {
+                // Stopped (a shutdown) while a read-only dispatch waited for its window: store
+                // it, so a graceful stop loses nothing. Fenced like every commit; bounded.
+                let flushed = tokio::time::timeout(
+                    UNCOMMITTED_FLUSH_TIMEOUT,
+                    commit_uncommitted(&myself, &st.deps, &mut live),
+                )
+                .await;
+                if !matches!(flushed, Ok(Ok(()))) {
+                    tracing::debug!(run = %live.run.id, "a transition waiting to be committed was not stored before the actor stopped; the run resumes from its previous checkpoint");
+                }
+            }
             st.deps.leases.remove(&live.run.id);
             if live.reloading {
                 st.deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
@@ -688,6 +714,7 @@ impl Live {
             finishing: false,
             reloading: false,
             held: Vec::new(),
+            uncommitted: None,
             writer: CheckpointWriter::default(),
             approval_timers: HashSet::new(),
             waiters: Vec::new(),
@@ -708,12 +735,23 @@ async fn deliver(
     msg: RunMsg,
 ) -> Result<(), ActorProcessingErr> {
     if live.reloading && !matches!(msg, RunMsg::Reload | RunMsg::Get(_)) {
-        live.held.push(msg);
+        if !matches!(msg, RunMsg::CommitWindowClosed { .. }) {
+            live.held.push(msg);
+        }
         return Ok(());
     }
     match msg {
         RunMsg::Get(reply) => {
+            // What a reader sees is stored: a transition still waiting is committed first.
+            if live.uncommitted.is_some() && !live.reloading {
+                commit_uncommitted(myself, deps, live).await?;
+            }
             let _ = reply.send(live.run.clone());
+        }
+        RunMsg::CommitWindowClosed { version } => {
+            if live.run.version == version && live.uncommitted.is_some() {
+                commit_uncommitted(myself, deps, live).await?;
+            }
         }
         RunMsg::Passivate { version } => passivate(myself, deps, live, version),
         RunMsg::RetryDeferred => run_deferred(myself, deps, live),
@@ -733,7 +771,7 @@ async fn deliver(
                 Applied::Rejected(e) => {
                     tracing::debug!(run = %live.run.id, error = %e, "event did not apply");
                 }
-                Applied::StoreDown => hold(myself, deps, live, RunMsg::Event(copy)),
+                Applied::StoreDown => hold(myself, deps, live, Some(RunMsg::Event(copy))),
             }
         }
         RunMsg::Controls { reply } => {
@@ -816,7 +854,7 @@ async fn drain_inbox(
                     Applied::Done | Applied::Rejected(_) => {}
                     Applied::StoreDown => {
                         // Read back and drain again once the store answers (waiters stay).
-                        hold(myself, deps, live, RunMsg::Controls { reply: None });
+                        hold(myself, deps, live, Some(RunMsg::Controls { reply: None }));
                         return Ok(());
                     }
                     Applied::LostOwnership => return Ok(()),
@@ -949,8 +987,10 @@ fn passivate(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &Live, versio
 }
 
 /// A commit failed: keep `msg`, stop taking new work, and read the checkpoint back later.
-fn hold(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &mut Live, msg: RunMsg) {
-    live.held.push(msg);
+fn hold(myself: &ActorRef<RunMsg>, deps: &RunDeps, live: &mut Live, msg: Option<RunMsg>) {
+    live.held.extend(msg);
+    // What waited to be committed may or may not be stored: the reload tells.
+    live.uncommitted = None;
     if !live.reloading {
         live.reloading = true;
         deps.metrics.paused_runs.fetch_add(1, Ordering::Relaxed);
@@ -1049,8 +1089,37 @@ fn inject_fault(deps: &RunDeps, live: &Live, event: &RunEvent) {
     }
 }
 
-/// Commits the state `live.run` reached by `transition` with its one event, publishes it, then
-/// carries out the effects.
+/// What `commit_transition` holds back: events of transitions applied to `live.run` but not
+/// committed yet, with the version and status the store holds.
+struct Uncommitted {
+    /// The stored version the next commit expects.
+    expected_version: u64,
+    /// The status the store holds (for the per-status metric).
+    stored_status: crate::run::state::Status,
+    /// The events in order, first seq `expected_version + 1`.
+    events: Vec<EventRecord>,
+}
+
+/// Whether a transition may wait for the next one to be committed with it: it asks only for
+/// read-only tool calls to be sent (no intent has to be durable before a call that may be
+/// repeated freely), so a crash before the commit loses only the model reply, which the
+/// resumed run asks for again. Every other effect waits for its transition to be stored.
+fn may_wait_for_next(effects: &[Effect], run: &RunState) -> bool {
+    !effects.is_empty()
+        && effects.iter().all(|e| match e {
+            Effect::ExecuteTool { call_id, .. } => run.call(call_id).is_some_and(|c| {
+                c.effect == crate::tool::ToolEffect::Read
+                    && c.status == crate::run::state::CallStatus::Dispatched
+            }),
+            _ => false,
+        })
+}
+
+/// Commits the state `live.run` reached by `transition` with its one event (and the events of
+/// transitions still waiting), publishes them, then carries out the effects. A read-only
+/// dispatch (`may_wait_for_next`) is instead held for at most `commit_window`: its calls are
+/// sent at once and it is committed with the next transition (their result, usually), or on
+/// its own when the window closes. Nothing is published before it is stored.
 async fn commit_transition(
     myself: &ActorRef<RunMsg>,
     deps: &Arc<RunDeps>,
@@ -1068,6 +1137,60 @@ async fn commit_transition(
         kind: transition.kind.to_owned(),
         data,
     };
+    let mut pending = live.uncommitted.take().unwrap_or(Uncommitted {
+        expected_version: prev_version,
+        stored_status: prev_status,
+        events: Vec::new(),
+    });
+    pending.events.push(record);
+    if let Some(window) = deps.commit_window
+        && pending.events.len() == 1
+        && may_wait_for_next(&transition.effects, &live.run)
+    {
+        live.uncommitted = Some(pending);
+        let version = live.run.version;
+        myself.send_after(window, move || RunMsg::CommitWindowClosed { version });
+        for effect in transition.effects {
+            execute(myself, deps, live, effect);
+        }
+        return Ok(Applied::Done);
+    }
+    match commit_pending(myself, deps, live, pending).await? {
+        Applied::Done => {}
+        other => return Ok(other),
+    }
+    for effect in transition.effects {
+        execute(myself, deps, live, effect);
+    }
+    schedule_passivation(myself, deps, live);
+    arm_approval_timers(myself, live, now);
+    Ok(Applied::Done)
+}
+
+/// Commits the transitions still waiting in `live.uncommitted` on their own (their window
+/// closed, or a reader asks for the state).
+async fn commit_uncommitted(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+) -> Result<(), ActorProcessingErr> {
+    let Some(pending) = live.uncommitted.take() else {
+        return Ok(());
+    };
+    if let Applied::StoreDown = commit_pending(myself, deps, live, pending).await? {
+        hold(myself, deps, live, None);
+    }
+    Ok(())
+}
+
+/// Stores `live.run` with `pending`'s events in one commit and publishes them. On a failure the
+/// caller holds what it was doing (`StoreDown`) or the actor stops (`LostOwnership`).
+async fn commit_pending(
+    myself: &ActorRef<RunMsg>,
+    deps: &Arc<RunDeps>,
+    live: &mut Live,
+    pending: Uncommitted,
+) -> Result<Applied, ActorProcessingErr> {
     let checkpoint = live
         .writer
         .checkpoint(&mut live.run)
@@ -1080,8 +1203,8 @@ async fn commit_transition(
         .commit(
             &live.lease,
             &checkpoint,
-            prev_version,
-            std::slice::from_ref(&record),
+            pending.expected_version,
+            &pending.events,
         )
         .await;
     match committed {
@@ -1102,17 +1225,19 @@ async fn commit_transition(
             return Ok(Applied::LostOwnership);
         }
     }
-    deps.metrics.transitions.fetch_add(1, Ordering::Relaxed);
-    if live.run.status != prev_status {
+    deps.metrics
+        .transitions
+        .fetch_add(pending.events.len() as u64, Ordering::Relaxed);
+    deps.metrics.commits.fetch_add(1, Ordering::Relaxed);
+    if live.run.status != pending.stored_status {
         deps.metrics.entered_by(&live.run.tenant, live.run.status);
     }
     let terminal = live.run.is_terminal();
-    deps.hub.publish(&live.run.id, &record, terminal);
-    for effect in transition.effects {
-        execute(myself, deps, live, effect);
+    let last = pending.events.len() - 1;
+    for (i, record) in pending.events.iter().enumerate() {
+        deps.hub
+            .publish(&live.run.id, record, terminal && i == last);
     }
-    schedule_passivation(myself, deps, live);
-    arm_approval_timers(myself, live, now);
     Ok(Applied::Done)
 }
 

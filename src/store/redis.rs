@@ -112,84 +112,112 @@ const CONFLICT: i64 = 4;
 const GAP: i64 = 5;
 const TORN: i64 = 6;
 const HELD: i64 = 7;
+const LEGACY: i64 = 8;
 const NODE_HELD: i64 = 9;
 
 /// KEYS: ckpt, events, transcript.
-/// ARGV: version, doc, status, terminal(0|1), n, then n × (seq, event json), m, then m
-/// transcript entries.
+/// ARGV: version, body, status, terminal(0|1), updated_at_ms, meta, n, then n × (seq, event
+/// json), m, then m transcript entries.
 const CREATE_LUA: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then
   -- A retry of an applied create (reply lost) is not a conflict.
-  if redis.call('HGET', KEYS[1], 'doc') == ARGV[2] then return {0, ''} end
+  if redis.call('HGET', KEYS[1], 'body') == ARGV[2] then return {0, ''} end
   return {4, tostring(redis.call('HGET', KEYS[1], 'v') or '0')}
 end
-local n = tonumber(ARGV[5])
+local n = tonumber(ARGV[7])
 for i = 1, n do
-  if tonumber(ARGV[4 + 2 * i]) ~= i then return {5, ARGV[4 + 2 * i]} end
+  if tonumber(ARGV[6 + 2 * i]) ~= i then return {5, ARGV[6 + 2 * i]} end
 end
 local llen = redis.call('LLEN', KEYS[3])
 if llen ~= 0 then return {6, tostring(llen)} end
 for i = 1, n do
-  redis.call('XADD', KEYS[2], ARGV[4 + 2 * i] .. '-0', 'e', ARGV[5 + 2 * i])
+  redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
 end
-local m = tonumber(ARGV[6 + 2 * n])
+local m = tonumber(ARGV[8 + 2 * n])
 -- One RPUSH per chunk (unpack is bounded by Lua's stack).
 for i = 1, m, 500 do
-  redis.call('RPUSH', KEYS[3], unpack(ARGV, 6 + 2 * n + i, 6 + 2 * n + math.min(i + 499, m)))
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, 8 + 2 * n + i, 8 + 2 * n + math.min(i + 499, m)))
 end
-redis.call('HSET', KEYS[1], 'v', ARGV[1], 'doc', ARGV[2], 'status', ARGV[3],
-  'terminal', ARGV[4], 'seq', n, 'tokens', 0, 'tl', m)
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'body', ARGV[2], 'status', ARGV[3],
+  'terminal', ARGV[4], 'u', ARGV[5], 'meta', ARGV[6], 'seq', n, 'tokens', 0, 'tl', m)
 return {0, ''}
 "#;
 
 /// KEYS: ckpt, events, transcript.
-/// ARGV: token, expected, new_version, doc, status, terminal(0|1), n, then n × (seq, json),
-/// then transcript_from, m, and m transcript entries.
+/// ARGV: token, expected, new_version, body, status, terminal(0|1), updated_at_ms, n, then
+/// n × (seq, json), then transcript_from, m, and m transcript entries.
+/// The record's constant fields (`meta`) were written by the create, so a commit sends only
+/// what changes; a record of the first layout (one `doc` field) is upgraded when it is
+/// loaded, and a commit that finds one answers `LEGACY`.
 /// Answers OK with the status the commit replaced. The record's hash keeps `tl`, the length
 /// of the transcript list, written with it, so the commit reads one hash and no list (records
 /// written before `tl` existed ask the list once).
 const COMMIT_LUA: &str = r#"
-local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq', 'status', 'tl')
+local h = redis.call('HMGET', KEYS[1], 'fence', 'v', 'seq', 'status', 'tl', 'meta')
 if not h[2] then return {2, ''} end
 if h[1] ~= ARGV[1] then return {3, ''} end
 local v = tonumber(h[2])
 local last = tonumber(h[3])
-local n = tonumber(ARGV[7])
+local n = tonumber(ARGV[8])
 if v ~= tonumber(ARGV[2]) then
-  -- The document is read only here (rare path): it can be large.
-  if v == tonumber(ARGV[3]) and (n == 0 or tonumber(ARGV[6 + 2 * n]) == last)
-     and redis.call('HGET', KEYS[1], 'doc') == ARGV[4] then
+  -- The body is read only here (rare path): it can be large.
+  if v == tonumber(ARGV[3]) and (n == 0 or tonumber(ARGV[7 + 2 * n]) == last)
+     and redis.call('HGET', KEYS[1], 'body') == ARGV[4] then
     return {1, tostring(v)}
   end
   return {4, tostring(v)}
 end
+if not h[6] then return {8, ''} end
 for i = 1, n do
-  if tonumber(ARGV[6 + 2 * i]) ~= last + i then return {5, ARGV[6 + 2 * i]} end
+  if tonumber(ARGV[7 + 2 * i]) ~= last + i then return {5, ARGV[7 + 2 * i]} end
 end
 -- The transcript continues where it ends, or the write is torn.
 local llen = tonumber(h[5]) or redis.call('LLEN', KEYS[3])
-if llen ~= tonumber(ARGV[8 + 2 * n]) then return {6, tostring(llen)} end
+if llen ~= tonumber(ARGV[9 + 2 * n]) then return {6, tostring(llen)} end
 for i = 1, n do
-  redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
+  redis.call('XADD', KEYS[2], ARGV[7 + 2 * i] .. '-0', 'e', ARGV[8 + 2 * i])
 end
-local m = tonumber(ARGV[9 + 2 * n])
+local m = tonumber(ARGV[10 + 2 * n])
 for i = 1, m, 500 do
-  redis.call('RPUSH', KEYS[3], unpack(ARGV, 9 + 2 * n + i, 9 + 2 * n + math.min(i + 499, m)))
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, 10 + 2 * n + i, 10 + 2 * n + math.min(i + 499, m)))
 end
-redis.call('HSET', KEYS[1], 'v', ARGV[3], 'doc', ARGV[4], 'status', ARGV[5],
-  'terminal', ARGV[6], 'seq', last + n, 'tl', llen + m)
+redis.call('HSET', KEYS[1], 'v', ARGV[3], 'body', ARGV[4], 'status', ARGV[5],
+  'terminal', ARGV[6], 'u', ARGV[7], 'seq', last + n, 'tl', llen + m)
 -- The status it replaced, for the listing index.
 return {0, h[4] or ''}
 "#;
 
-/// KEYS: ckpt, transcript. The record and its transcript, read together.
+/// KEYS: ckpt, transcript. The record's fields (`RECORD_FIELDS`, in order; nil where
+/// absent) and its transcript, read together; nothing for a missing record.
 const LOAD_LUA: &str = r#"
-local doc = redis.call('HGET', KEYS[1], 'doc')
-if not doc then return {} end
+local h = redis.call('HMGET', KEYS[1], 'meta', 'body', 'v', 'status', 'terminal', 'u', 'doc')
+if not h[1] and not h[7] then return {} end
 local t = redis.call('LRANGE', KEYS[2], 0, -1)
-table.insert(t, 1, doc)
+for i = 7, 1, -1 do table.insert(t, 1, h[i]) end
 return t
 "#;
+
+/// KEYS: ckpt. ARGV: doc, meta, body, updated_at_ms. Upgrades a record of the first layout
+/// (the whole checkpoint as one JSON `doc`) to the current one, if it is still the one read.
+const UPGRADE_LUA: &str = r#"
+if redis.call('HGET', KEYS[1], 'doc') ~= ARGV[1] then return {4, ''} end
+redis.call('HSET', KEYS[1], 'meta', ARGV[2], 'body', ARGV[3], 'u', ARGV[4])
+redis.call('HDEL', KEYS[1], 'doc')
+return {0, ''}
+"#;
+
+/// The hash fields a record is read from (`decode_record`), in this order: the current
+/// layout's constant `meta`, its `body`, version, status, terminal flag and update time, and
+/// the first layout's `doc`.
+const RECORD_FIELDS: [&str; 7] = ["meta", "body", "v", "status", "terminal", "u", "doc"];
+
+/// The fields of a record that never change after its create, written once.
+#[derive(Serialize, Deserialize)]
+struct RecordMeta {
+    tenant: String,
+    agent: String,
+    created_at_ms: u64,
+}
 
 /// KEYS: ckpt, lease. ARGV: owner, ttl_ms.
 const CLAIM_LUA: &str = r#"
@@ -269,6 +297,7 @@ struct Scripts {
     create: Script,
     commit: Script,
     load: Script,
+    upgrade: Script,
     claim: Script,
     renew: Script,
     release: Script,
@@ -284,6 +313,7 @@ impl Scripts {
             create: Script::new(CREATE_LUA),
             commit: Script::new(COMMIT_LUA),
             load: Script::new(LOAD_LUA),
+            upgrade: Script::new(UPGRADE_LUA),
             claim: Script::new(CLAIM_LUA),
             renew: Script::new(RENEW_LUA),
             release: Script::new(RELEASE_LUA),
@@ -294,11 +324,12 @@ impl Scripts {
         }
     }
 
-    fn all(&self) -> [&Script; 10] {
+    fn all(&self) -> [&Script; 11] {
         [
             &self.create,
             &self.commit,
             &self.load,
+            &self.upgrade,
             &self.claim,
             &self.renew,
             &self.release,
@@ -483,6 +514,9 @@ fn commit_outcome(run: &RunId, expected: u64, token: u64, code: i64, detail: &st
             run: run.clone(),
             seq: detail.parse().unwrap_or(0),
         }),
+        LEGACY => Err(Error::Corrupt(format!(
+            "run {run}: the record is in the first layout and was not upgraded by a load"
+        ))),
         // The expected start is not in the answer; the stored length is.
         TORN => Err(Error::Corrupt(format!(
             "run {run}: the commit does not continue the transcript, which holds {detail} entries"
@@ -926,19 +960,12 @@ impl RedisStore {
                 let Some(last) = ids.last() else { break };
                 lower = format!("({last}");
                 let runs: Vec<RunId> = ids.iter().filter_map(|id| id.parse().ok()).collect();
-                let reads: Vec<Cmd> = runs
-                    .iter()
-                    .map(|r| {
-                        let mut c = ::redis::cmd("HGET");
-                        c.arg(keys.ckpt(r)).arg("doc");
-                        c
-                    })
-                    .collect();
+                let reads: Vec<Cmd> = runs.iter().map(|r| self.record_read(r)).collect();
                 let mut adds: std::collections::HashMap<String, Vec<&str>> = Default::default();
                 for (r, a) in runs.iter().zip(self.core.exec_many(what, &reads).await?) {
-                    let doc: Option<String> = ::redis::from_redis_value(a.value(what)?)
+                    let fields: Vec<Option<String>> = ::redis::from_redis_value(a.value(what)?)
                         .map_err(|e| corrupt(r, "reading the checkpoint", e))?;
-                    let Some(c) = doc.and_then(|d| Self::decode_checkpoint(r, &d).ok()) else {
+                    let Ok(Some((c, _))) = Self::decode_record(r, fields) else {
                         continue;
                     };
                     for key in [
@@ -999,8 +1026,6 @@ impl RedisStore {
         events: &[EventRecord],
     ) -> Result<Cmd> {
         let run = &checkpoint.run_id;
-        let doc = serde_json::to_string(checkpoint)
-            .map_err(|e| corrupt(run, "encoding checkpoint", e))?;
         let events = encode_events(run, events)?;
         let keys = &self.core.keys;
         let mut cmd = self.core.evalsha(
@@ -1010,9 +1035,10 @@ impl RedisStore {
         cmd.arg(lease.token)
             .arg(expected)
             .arg(checkpoint.version)
-            .arg(doc)
+            .arg(&checkpoint.body)
             .arg(&checkpoint.status)
             .arg(terminal_arg(checkpoint))
+            .arg(checkpoint.updated_at_ms)
             .arg(events.len());
         for (seq, json) in events {
             cmd.arg(seq).arg(json);
@@ -1027,6 +1053,87 @@ impl RedisStore {
 
     fn decode_checkpoint(run: &RunId, doc: &str) -> Result<Checkpoint> {
         serde_json::from_str(doc).map_err(|e| corrupt(run, "decoding checkpoint", e))
+    }
+
+    /// `HMGET` of a record's `RECORD_FIELDS`.
+    fn record_read(&self, run: &RunId) -> Cmd {
+        let mut c = ::redis::cmd("HMGET");
+        c.arg(self.core.keys.ckpt(run)).arg(&RECORD_FIELDS[..]);
+        c
+    }
+
+    /// The record from its `RECORD_FIELDS` (either layout), without its transcript; `None`
+    /// if it does not exist. The second value is the first layout's `doc`, for `upgrade`.
+    fn decode_record(
+        run: &RunId,
+        fields: Vec<Option<String>>,
+    ) -> Result<Option<(Checkpoint, Option<String>)>> {
+        let Ok([meta, body, v, status, terminal, u, doc]) = <[Option<String>; 7]>::try_from(fields)
+        else {
+            return Err(Error::Corrupt(format!(
+                "run {run}: the record's fields were not all answered"
+            )));
+        };
+        let Some(meta) = meta else {
+            return match doc {
+                Some(doc) => Ok(Some((Self::decode_checkpoint(run, &doc)?, Some(doc)))),
+                None => Ok(None),
+            };
+        };
+        let missing = |field: &str| Error::Corrupt(format!("run {run}: the record has no {field}"));
+        let number = |field: &str, value: Option<String>| -> Result<u64> {
+            value
+                .ok_or_else(|| missing(field))?
+                .parse()
+                .map_err(|e| corrupt(run, &format!("reading the record's {field}"), e))
+        };
+        let meta: RecordMeta =
+            serde_json::from_str(&meta).map_err(|e| corrupt(run, "decoding the record", e))?;
+        Ok(Some((
+            Checkpoint {
+                run_id: run.clone(),
+                tenant: meta.tenant,
+                agent: meta.agent,
+                status: status.ok_or_else(|| missing("status"))?,
+                terminal: terminal.as_deref() == Some("1"),
+                version: number("version", v)?,
+                created_at_ms: meta.created_at_ms,
+                updated_at_ms: number("update time", u)?,
+                body: body.ok_or_else(|| missing("body"))?,
+                transcript: Vec::new(),
+                transcript_from: 0,
+            },
+            None,
+        )))
+    }
+
+    /// The constant fields of a record, as its create writes them.
+    fn record_meta(run: &RunId, checkpoint: &Checkpoint) -> Result<String> {
+        serde_json::to_string(&RecordMeta {
+            tenant: checkpoint.tenant.clone(),
+            agent: checkpoint.agent.clone(),
+            created_at_ms: checkpoint.created_at_ms,
+        })
+        .map_err(|e| corrupt(run, "encoding the record", e))
+    }
+
+    /// Rewrites a record read in the first layout (`doc`) in the current one, unless it
+    /// changed since it was read (then the caller reads it again).
+    async fn upgrade(&self, checkpoint: &Checkpoint, doc: &str) -> Result<()> {
+        let run = &checkpoint.run_id;
+        let what = format!("upgrading the record of run {run}");
+        let mut inv = self.core.scripts.upgrade.prepare_invoke();
+        inv.key(self.core.keys.ckpt(run))
+            .arg(doc)
+            .arg(Self::record_meta(run, checkpoint)?)
+            .arg(&checkpoint.body)
+            .arg(checkpoint.updated_at_ms);
+        match self.core.script(&what, inv).await? {
+            (OK, _) => Ok(()),
+            _ => Err(Error::Unavailable(format!(
+                "redis: {what}: it changed while it was read; read it again"
+            ))),
+        }
     }
 
     fn due_cmd(&self, runs: &[&RunId], at_ms: Option<u64>) -> Cmd {
@@ -1161,8 +1268,7 @@ impl CheckpointStore for RedisStore {
                 return Ok(CreateOutcome::Existing(owner));
             }
         }
-        let doc = serde_json::to_string(checkpoint)
-            .map_err(|e| corrupt(run, "encoding checkpoint", e))?;
+        let meta = Self::record_meta(run, checkpoint)?;
         if checkpoint.transcript_from != 0 {
             return Err(torn_transcript(run, checkpoint.transcript_from, 0));
         }
@@ -1172,9 +1278,11 @@ impl CheckpointStore for RedisStore {
         );
         script
             .arg(checkpoint.version)
-            .arg(doc)
+            .arg(&checkpoint.body)
             .arg(&checkpoint.status)
             .arg(terminal_arg(checkpoint))
+            .arg(checkpoint.updated_at_ms)
+            .arg(meta)
             .arg(events.len());
         for (seq, json) in encode_events(run, events)? {
             script.arg(seq).arg(json);
@@ -1238,14 +1346,25 @@ impl CheckpointStore for RedisStore {
             .await?
             .pop()
             .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")))?;
-        let parts: Vec<String> = ::redis::from_redis_value(answer.value(&what)?)
+        let mut parts: Vec<Option<String>> = ::redis::from_redis_value(answer.value(&what)?)
             .map_err(|e| corrupt(run, "reading the checkpoint", e))?;
-        let mut parts = parts.into_iter();
-        let Some(doc) = parts.next() else {
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        if parts.len() < RECORD_FIELDS.len() {
+            return Err(Error::Corrupt(format!("{what}: a short answer")));
+        }
+        let transcript = parts.split_off(RECORD_FIELDS.len());
+        let Some((mut c, first_layout)) = Self::decode_record(run, parts)? else {
             return Ok(None);
         };
-        let mut c = Self::decode_checkpoint(run, &doc)?;
-        c.transcript = parts.collect();
+        if let Some(doc) = first_layout {
+            self.upgrade(&c, &doc).await?;
+        }
+        c.transcript = transcript
+            .into_iter()
+            .map(|e| e.ok_or_else(|| Error::Corrupt(format!("{what}: a nil transcript entry"))))
+            .collect::<Result<_>>()?;
         Ok(Some(c))
     }
 
@@ -1697,27 +1816,20 @@ impl CheckpointStore for RedisStore {
                     }
                 }
             }
-            let cmds: Vec<Cmd> = runs
-                .iter()
-                .map(|r| {
-                    let mut c = ::redis::cmd("HGET");
-                    c.arg(keys.ckpt(r)).arg("doc");
-                    c
-                })
-                .collect();
+            let cmds: Vec<Cmd> = runs.iter().map(|r| self.record_read(r)).collect();
             let answers = self.core.exec_many(what, &cmds).await?;
             let now = now_ms();
             for (r, a) in runs.iter().zip(answers) {
-                let doc: Option<String> = ::redis::from_redis_value(a.value(what)?)
+                let fields: Vec<Option<String>> = ::redis::from_redis_value(a.value(what)?)
                     .map_err(|e| corrupt(r, "reading the checkpoint", e))?;
-                let Some(doc) = doc else {
-                    if is_dangling(r, now) {
-                        stale.push(r.as_str());
+                let c = match Self::decode_record(r, fields) {
+                    Ok(Some((c, _))) => c,
+                    Ok(None) => {
+                        if is_dangling(r, now) {
+                            stale.push(r.as_str());
+                        }
+                        continue;
                     }
-                    continue;
-                };
-                let c = match Self::decode_checkpoint(r, &doc) {
-                    Ok(c) => c,
                     Err(e) => {
                         unreadable.push((r.clone(), e.to_string()));
                         continue;

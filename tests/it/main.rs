@@ -13,6 +13,9 @@ mod chaos_support;
 mod cli;
 /// A local three-master Redis Cluster for the store contract and chaos tests.
 mod cluster_support;
+/// The commit window: a read-only step's reply committed with its result, on its own when
+/// the window closes, and asked again after a crash in it.
+mod commit_window;
 /// Compensation: a cancelled or failed run undoes its successful unsafe calls, newest first,
 /// exactly once, also across a kill -9.
 mod compensation;

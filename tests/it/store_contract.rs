@@ -1904,6 +1904,100 @@ mod redis_indexes {
         assert!(active.contains(&live), "{active:?}");
     }
 
+    /// A record of the first layout (the whole checkpoint as one JSON `doc` field, as
+    /// releases before the split wrote it) is listed and loaded as it was written; the load
+    /// rewrites it in the current layout (constant `meta` once, `body` and the changing
+    /// fields beside it), so the run's next commits send only what changes, and the run
+    /// goes on: its commits land, it is listed and loaded with them, and a commit on a
+    /// record still in the first layout is refused, not misapplied.
+    async fn a_first_layout_record_is_read_and_upgraded(s: &RedisStore, url: &str) {
+        let k = s.keys().clone();
+        let tenant = format!("t-{}", uuid::Uuid::new_v4().simple());
+        let [run, other] = <[RunId; 2]>::try_from(ids(2)).unwrap();
+        let mut legacy = ckpt(&run, &tenant, 1);
+        legacy.status = "waiting_approval".into();
+        legacy.body = "{\"format_version\":4,\"say\":\"it is \\\"quoted\\\"\"}".into();
+        for r in [&run, &other] {
+            let mut c = legacy.clone();
+            c.run_id = r.clone();
+            s.create(&c, &[ev(1)], None).await.unwrap();
+            // As the first layout left it: one `doc` with the whole checkpoint.
+            raw(
+                s,
+                ::redis::cmd("HDEL")
+                    .arg(k.ckpt(r))
+                    .arg("meta")
+                    .arg("body")
+                    .arg("u"),
+                url,
+            )
+            .await;
+            raw(
+                s,
+                ::redis::cmd("HSET")
+                    .arg(k.ckpt(r))
+                    .arg("doc")
+                    .arg(serde_json::to_string(&c).unwrap()),
+                url,
+            )
+            .await;
+        }
+        let waiting = RunFilter {
+            status: Some("waiting_approval".into()),
+            agent: None,
+        };
+        let page = s.list_runs(&tenant, &waiting, None, 10).await.unwrap();
+        assert_eq!(page.items.len(), 2, "{:?}", page.unreadable);
+        assert!(
+            page.items
+                .iter()
+                .any(|c| c.run_id == run && c.body == legacy.body)
+        );
+
+        // A commit on a record nobody loaded since the upgrade is refused as corrupt.
+        let lease = s.claim(&other, "n1", TTL).await.unwrap();
+        let mut next = legacy.clone();
+        next.run_id = other.clone();
+        next.version = 2;
+        let refused = s.commit(&lease, &next, 1, &[ev(2)]).await.unwrap_err();
+        assert!(matches!(refused, Error::Corrupt(_)), "{refused:?}");
+
+        let loaded = s.load(&run).await.unwrap().expect("stored");
+        assert_eq!(loaded, legacy);
+        let fields: Vec<Option<String>> = ::redis::from_redis_value(
+            raw(
+                s,
+                ::redis::cmd("HMGET")
+                    .arg(k.ckpt(&run))
+                    .arg("doc")
+                    .arg("meta")
+                    .arg("body"),
+                url,
+            )
+            .await,
+        )
+        .unwrap();
+        assert_eq!(fields[0], None, "the first layout's doc is gone");
+        assert!(fields[1].as_deref().is_some_and(|m| m.contains(&tenant)));
+        assert_eq!(fields[2].as_deref(), Some(legacy.body.as_str()));
+
+        let lease = s.claim(&run, "n1", TTL).await.unwrap();
+        let mut next = loaded.clone();
+        next.version = 2;
+        next.status = "succeeded".into();
+        next.terminal = true;
+        next.updated_at_ms += 5;
+        next.body = "{\"format_version\":4,\"done\":true}".into();
+        s.commit(&lease, &next, 1, &[ev(2)]).await.unwrap();
+        assert_eq!(s.load(&run).await.unwrap(), Some(next.clone()));
+        let done = RunFilter {
+            status: Some("succeeded".into()),
+            agent: None,
+        };
+        let page = s.list_runs(&tenant, &done, None, 10).await.unwrap();
+        assert_eq!(page.items, vec![next]);
+    }
+
     /// A filtered listing reads only the runs its index selects: a run in another status
     /// whose record is unreadable is not even read (an unfiltered listing reports it and
     /// serves the rest). A namespace written before the indexes existed gets them at its
@@ -1928,7 +2022,7 @@ mod redis_indexes {
             s,
             ::redis::cmd("HSET")
                 .arg(k.ckpt(&runs[0]))
-                .arg("doc")
+                .arg("meta")
                 .arg("{not json"),
             url,
         )
@@ -2075,6 +2169,8 @@ mod redis_indexes {
         dangling_entries_and_orphan_client_keys(&s, &crate::redis_support::shared_redis_url())
             .await;
         a_bad_active_entry_is_skipped(&s, &crate::redis_support::shared_redis_url()).await;
+        a_first_layout_record_is_read_and_upgraded(&s, &crate::redis_support::shared_redis_url())
+            .await;
         filtered_listings_read_only_their_index(&s, &crate::redis_support::shared_redis_url())
             .await;
         crate::redis_support::drop_namespace(s.keys().namespace()).await;
@@ -2088,6 +2184,7 @@ mod redis_indexes {
         let s = cluster.store(|c| c).await;
         dangling_entries_and_orphan_client_keys(&s, &cluster.url()).await;
         a_bad_active_entry_is_skipped(&s, &cluster.url()).await;
+        a_first_layout_record_is_read_and_upgraded(&s, &cluster.url()).await;
         filtered_listings_read_only_their_index(&s, &cluster.url()).await;
     }
 
