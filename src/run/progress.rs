@@ -82,10 +82,13 @@ pub struct Progress {
     #[serde(default, with = "compact")]
     pub results_seen: Vec<(u64, u32)>,
     /// Non-polling calls failed in a row; reset by a success and by each escalation.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub failure_streak: u32,
     /// Turns in a row without a new successful call; reset by each escalation.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub stale_turns: u32,
     /// How far the graduated response has gone.
+    #[serde(default, skip_serializing_if = "is_not_escalated")]
     pub escalation: Escalation,
 }
 
@@ -162,6 +165,15 @@ fn tracked(fingerprint: u64) -> u64 {
 
 /// Counts one more sighting of `fingerprint` and moves it to the most recent end; returns the
 /// count. A new fingerprint beyond [`MAX_TRACKED_FINGERPRINTS`] evicts the least recently seen.
+/// Zero counters and no escalation are left out of a body (format 5).
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_not_escalated(e: &Escalation) -> bool {
+    *e == Escalation::None
+}
+
 fn bump(seen: &mut Vec<(u64, u32)>, fingerprint: u64) -> u32 {
     let fingerprint = tracked(fingerprint);
     let count = match seen.iter().position(|(f, _)| *f == fingerprint) {
@@ -175,25 +187,99 @@ fn bump(seen: &mut Vec<(u64, u32)>, fingerprint: u64) -> u32 {
     count
 }
 
-/// The stored form of a fingerprint list: one string, `"<hex>.<count> …"` with 32-bit
-/// fingerprints (about 11 bytes an entry where a JSON array takes 25). Lists written by earlier
-/// versions (`[[fingerprint, count], …]` of full 64-bit fingerprints) still load, cut to 32 bits
-/// and to the window.
+/// The stored form of a fingerprint list: one string of URL-safe base64 (no padding) of the
+/// entries back to back, each a 32-bit fingerprint (4 bytes, big-endian) and its count as a
+/// LEB128 varint (1 byte below 128): about 7 characters an entry (format 5). Also read: the
+/// `"<hex>.<count> …"` string of format 4 (it has a `.` in every entry, which base64 never
+/// has) and the `[[fingerprint, count], …]` arrays of full 64-bit fingerprints written before,
+/// cut to 32 bits and to the window.
 pub mod compact {
     use serde::{Deserialize, Deserializer, Serializer};
 
     use super::{MAX_TRACKED_FINGERPRINTS, tracked};
 
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+
+    /// The list's bytes: fingerprint then varint count, entry after entry.
+    fn to_bytes(list: &[(u64, u32)]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(list.len() * 5);
+        for (f, n) in list {
+            out.extend_from_slice(&(tracked(*f) as u32).to_be_bytes());
+            let mut n = *n;
+            loop {
+                let low = (n & 0x7f) as u8;
+                n >>= 7;
+                if n == 0 {
+                    out.push(low);
+                    break;
+                }
+                out.push(low | 0x80);
+            }
+        }
+        out
+    }
+
+    fn from_bytes(bytes: &[u8]) -> Option<Vec<(u64, u32)>> {
+        let mut list = Vec::new();
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let (f, after) = rest.split_first_chunk::<4>()?;
+            rest = after;
+            let mut n: u32 = 0;
+            for shift in (0..35).step_by(7) {
+                let (&b, after) = rest.split_first()?;
+                rest = after;
+                n |= u32::from(b & 0x7f).checked_shl(shift)?;
+                if b & 0x80 == 0 {
+                    break;
+                }
+                if shift == 28 {
+                    return None;
+                }
+            }
+            list.push((u64::from(u32::from_be_bytes(*f)), n));
+        }
+        Some(list)
+    }
+
+    /// URL-safe base64 without padding.
+    pub(super) fn encode_base64(bytes: &[u8]) -> String {
+        let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+        for chunk in bytes.chunks(3) {
+            let b = [
+                chunk[0],
+                *chunk.get(1).unwrap_or(&0),
+                *chunk.get(2).unwrap_or(&0),
+            ];
+            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+            for i in 0..=chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 0x3f) as usize] as char);
+            }
+        }
+        out
+    }
+
+    pub(super) fn decode_base64(text: &str) -> Option<Vec<u8>> {
+        let sextet = |c: u8| ALPHABET.iter().position(|&a| a == c).map(|p| p as u32);
+        let mut out = Vec::with_capacity(text.len() * 3 / 4);
+        for chunk in text.as_bytes().chunks(4) {
+            if chunk.len() == 1 {
+                return None;
+            }
+            let mut n = 0u32;
+            for (i, &c) in chunk.iter().enumerate() {
+                n |= sextet(c)? << (18 - 6 * i);
+            }
+            for i in 0..chunk.len() - 1 {
+                out.push((n >> (16 - 8 * i)) as u8);
+            }
+        }
+        Some(out)
+    }
+
     /// Writes the list as one string.
     pub fn serialize<S: Serializer>(list: &[(u64, u32)], s: S) -> Result<S::Ok, S::Error> {
-        let mut out = String::with_capacity(list.len() * 11);
-        for (i, (f, n)) in list.iter().enumerate() {
-            if i > 0 {
-                out.push(' ');
-            }
-            out.push_str(&format!("{:x}.{n}", tracked(*f)));
-        }
-        s.serialize_str(&out)
+        s.serialize_str(&encode_base64(&to_bytes(list)))
     }
 
     #[derive(Deserialize)]
@@ -203,18 +289,26 @@ pub mod compact {
         Pairs(Vec<(u64, u32)>),
     }
 
-    /// Reads either form.
+    /// Format 4's `"<hex>.<count> …"`.
+    fn from_dotted(text: &str) -> Option<Vec<(u64, u32)>> {
+        text.split_ascii_whitespace()
+            .map(|entry| {
+                let (f, n) = entry.split_once('.')?;
+                Some((u64::from_str_radix(f, 16).ok()?, n.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// Reads any stored form.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(u64, u32)>, D::Error> {
         let mut list = match Stored::deserialize(d)? {
             Stored::Pairs(pairs) => pairs.into_iter().map(|(f, n)| (tracked(f), n)).collect(),
-            Stored::Compact(text) => text
-                .split_ascii_whitespace()
-                .map(|entry| {
-                    let (f, n) = entry.split_once('.')?;
-                    Some((u64::from_str_radix(f, 16).ok()?, n.parse().ok()?))
-                })
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| serde::de::Error::custom("bad fingerprint list"))?,
+            Stored::Compact(text) => if text.contains('.') {
+                from_dotted(&text)
+            } else {
+                decode_base64(&text).and_then(|b| from_bytes(&b))
+            }
+            .ok_or_else(|| serde::de::Error::custom("bad fingerprint list"))?,
         };
         if list.len() > MAX_TRACKED_FINGERPRINTS {
             list.drain(..list.len() - MAX_TRACKED_FINGERPRINTS);
@@ -376,9 +470,10 @@ mod tests {
         // A repeat within the window is still counted.
         assert_eq!(bump(&mut t.seen, 10_990), 2);
         assert_eq!(t.seen.last(), Some(&(10_990, 2)));
-        // Stored compactly: the whole tracker of a long run stays under 1 KiB.
+        // Stored compactly: the whole tracker of a long run stays under 500 bytes (two full
+        // lists of about 7 characters an entry).
         let json = serde_json::to_string(&t).unwrap();
-        assert!(json.len() < 1024, "{} bytes: {json}", json.len());
+        assert!(json.len() < 500, "{} bytes: {json}", json.len());
         assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), t);
     }
 
@@ -400,11 +495,43 @@ mod tests {
             )
             .is_err()
         );
+        // Format 4's dotted string, and a base64 string that does not decode.
+        let v4: Progress = serde_json::from_str(
+            r#"{"seen":"5be2a1f3.1 9c01d2e4.3","failure_streak":0,"stale_turns":0,"escalation":"none"}"#,
+        )
+        .unwrap();
+        assert_eq!(v4.seen, [(0x5be2a1f3, 1), (0x9c01d2e4, 3)]);
+        for bad in ["A", "AAAAAA", "!!!!!!!!", "AAAAgA"] {
+            let json = format!(r#"{{"seen":"{bad}"}}"#);
+            assert!(serde_json::from_str::<Progress>(&json).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_fresh_tracker_writes_nothing_but_its_lists() {
+        let json = serde_json::to_string(&Progress::default()).unwrap();
+        assert_eq!(json, r#"{"seen":"","results_seen":""}"#);
+        let t = Progress {
+            seen: vec![(0x5be2a1f3, 1)],
+            ..Progress::default()
+        };
+        // 4 bytes of fingerprint and a 1-byte count: 7 characters.
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            r#"{"seen":"W-Kh8wE","results_seen":""}"#
+        );
     }
 
     proptest::proptest! {
         #[test]
-        fn compact_lists_round_trip(list in proptest::collection::vec((0u64..u64::from(u32::MAX), 0u32..1000), 0..32)) {
+        fn base64_round_trips(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+            let text = compact::encode_base64(&bytes);
+            proptest::prop_assert!(!text.contains('.'));
+            proptest::prop_assert_eq!(compact::decode_base64(&text), Some(bytes));
+        }
+
+        #[test]
+        fn compact_lists_round_trip(list in proptest::collection::vec((0u64..=u64::from(u32::MAX), proptest::prelude::any::<u32>()), 0..32)) {
             let t = Progress { seen: list.clone(), results_seen: list, ..Progress::default() };
             let json = serde_json::to_string(&t).unwrap();
             proptest::prop_assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), t);

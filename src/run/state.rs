@@ -365,13 +365,16 @@ pub struct RunState {
     /// Model turns started (the `turn` of the API).
     pub turn: u32,
     /// Malformed replies in a row.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub corrections: u32,
     /// Retryable model failures in a row.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub model_retries: u32,
     /// Verifier rejections so far.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub verify_rejections: u32,
     /// The next model call is made without tools (no-progress escalation).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_false")]
     pub force_final: bool,
     /// The budget that ran out, once the run is in its reserve turn: one final model call
     /// without tools, after which it ends `budget_exceeded` with that answer as its output.
@@ -414,7 +417,7 @@ pub struct RunState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed_call: Option<CallId>,
     /// Highest control-inbox seq already consumed (applied, repeated or refused).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub controls_applied: u64,
     /// The most recent refused controls (inbox seq, code, message), so the answer to a control
     /// can be read back after a crash or from another node. Bounded by `MAX_CONTROL_REFUSALS`.
@@ -432,7 +435,7 @@ pub struct RunState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_digest: Option<String>,
     /// Times this run was restarted after a crash.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub restarts: u32,
     /// When the run was created, ms since the Unix epoch.
     pub created_at_ms: u64,
@@ -441,8 +444,9 @@ pub struct RunState {
     /// Equals the seq of the last event: one per transition.
     pub version: u64,
     /// The conversation so far (instructions are added by the context builder, not stored).
-    /// Append-only, and the last field, so a checkpoint can reuse the serialized prefix (see
-    /// `runtime::actor::CheckpointWriter`).
+    /// Append-only. Stored apart from the body from format 3 (`run::format`), so a body
+    /// leaves it out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub messages: Vec<Message>,
 }
 
@@ -525,6 +529,11 @@ impl RunState {
     }
 }
 
-fn is_zero(n: &u32) -> bool {
-    *n == 0
+/// Counters at zero and flags that are off are left out of a body (format 5).
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }

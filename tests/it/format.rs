@@ -233,6 +233,41 @@ fn fixture_v4() -> (Checkpoint, Vec<EventRecord>) {
     fixture(include_str!("fixtures/checkpoint-v4-waiting-approval.json"))
 }
 
+/// The fixture of format version 5 (the body as small as every commit writes it): the
+/// version 4 fixture as this build writes it, with a call seen 200 times (a two-byte count).
+fn fixture_v5() -> (Checkpoint, Vec<EventRecord>) {
+    fixture(include_str!("fixtures/checkpoint-v5-waiting-approval.json"))
+}
+
+/// The current build writes the version 5 fixture byte for byte (so a change of the stored
+/// format cannot slip in without a new version), reads its base64 lists and left-out
+/// defaults, and resumes and finishes the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_5_run_is_written_byte_for_byte_and_resumes_and_finishes() {
+    let (cp, events) = fixture_v5();
+    assert_eq!(agentd::run::format::version_of(&cp.body).unwrap(), 5);
+    let mut before = agentd::runtime::actor::state_of(&cp).unwrap();
+    assert_eq!(before.progress.seen, [(0x5be2a1f3, 1), (0x9c01d2e4, 200)]);
+    assert_eq!(
+        before.progress.results_seen,
+        [(0x0a1b2c3d, 1), (0x77aa88bb, 1)]
+    );
+    assert_eq!(
+        (before.corrections, before.restarts, before.force_final),
+        (0, 0, false)
+    );
+    assert_eq!(agentd::run::format::encode(&mut before).unwrap(), cp.body);
+    // Format 4's body of the same run is written as this one.
+    let (v4, _) = fixture_v4();
+    let mut from_v4 = agentd::runtime::actor::state_of(&v4).unwrap();
+    from_v4.progress.seen[1].1 = 200;
+    assert_eq!(agentd::run::format::encode(&mut from_v4).unwrap(), cp.body);
+    let stored = approve_and_finish(cp, events).await;
+    let after = agentd::runtime::actor::state_of(&stored).unwrap();
+    assert_eq!(after.progress.seen[..2], before.progress.seen[..]);
+    assert_eq!(agentd::run::format::version_of(&stored.body).unwrap(), 5);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_4_run_with_compact_progress_lists_resumes_and_finishes() {
     let (cp, events) = fixture_v4();
@@ -243,9 +278,10 @@ async fn a_version_4_run_with_compact_progress_lists_resumes_and_finishes() {
     // The tracker went on from the stored lists and is written back compactly.
     let after = agentd::runtime::actor::state_of(&stored).unwrap();
     assert_eq!(after.progress.seen[..2], before.progress.seen[..]);
-    assert!(
-        stored.body.contains(r#""seen":"5be2a1f3.1 9c01d2e4.1"#),
-        "{}",
-        stored.body
+    // Written back in the current format: base64 lists, not format 4's dotted ones.
+    assert_eq!(
+        agentd::run::format::version_of(&stored.body).unwrap(),
+        u64::from(agentd::run::format::CURRENT)
     );
+    assert!(!stored.body.contains("5be2a1f3.1"), "{}", stored.body);
 }
