@@ -26,6 +26,9 @@ use crate::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
 pub struct BenchOptions {
     /// Concurrent runs, all created at the start.
     pub runs: usize,
+    /// Creates in flight at once while the runs are created, as that many clients would send
+    /// them (1: one after another, each waiting for the last).
+    pub clients: usize,
     /// Tool steps per run: the model calls the `emit` tool this many times, then answers.
     pub steps: u32,
     /// Scripted model latency per call.
@@ -100,6 +103,7 @@ impl Default for BenchOptions {
     fn default() -> Self {
         BenchOptions {
             runs: 1_000,
+            clients: 64,
             steps: 10,
             model_delay: Duration::ZERO,
             model_workers: 256,
@@ -477,22 +481,35 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     let baseline_rss = proc_status_kib("VmRSS:") * 1024;
     let cpu_before = cpu_time();
     let started = Instant::now();
-    let mut ids = Vec::with_capacity(opts.runs);
-    for i in 0..opts.runs {
-        let (run, _) = handle
-            .create_run(NewRun {
-                tenant: "bench".into(),
-                agent: "bench".into(),
-                input: Value::String(format!("bench run {i}")),
-                client_key: None,
-                budget: Default::default(),
-                metadata: Value::Null,
-                scopes: None,
+    // Created by `clients` at once, in order: a store's round trip per create is then paid
+    // by many creates together, as a daemon's clients would send them.
+    let ids: Vec<RunId> = {
+        use futures::StreamExt;
+        futures::stream::iter(0..opts.runs)
+            .map(|i| {
+                let handle = handle.clone();
+                async move {
+                    handle
+                        .create_run(NewRun {
+                            tenant: "bench".into(),
+                            agent: "bench".into(),
+                            input: Value::String(format!("bench run {i}")),
+                            client_key: None,
+                            budget: Default::default(),
+                            metadata: Value::Null,
+                            scopes: None,
+                        })
+                        .await
+                        .map(|(run, _)| run.id)
+                        .map_err(|e| format!("create run {i}: {e}"))
+                }
             })
+            .buffered(opts.clients.max(1))
+            .collect::<Vec<_>>()
             .await
-            .map_err(|e| format!("create run {i}: {e}"))?;
-        ids.push(run.id);
-    }
+            .into_iter()
+            .collect::<Result<_, _>>()?
+    };
     // Wait until every run has ended, polling the counters (cheap; no per-run waiters that
     // would add their own cost to what is measured).
     let metrics = handle.metrics().clone();

@@ -270,6 +270,9 @@ pub struct BenchArgs {
     /// Concurrent runs.
     #[arg(long, default_value_t = 1000)]
     pub runs: usize,
+    /// Runs created at once at the start, as that many clients would (1: one after another).
+    #[arg(long, default_value_t = 64)]
+    pub clients: usize,
     /// Tool steps per run.
     #[arg(long, default_value_t = 10)]
     pub steps: u32,

@@ -157,6 +157,7 @@ async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {
         tool_output_bytes: args.tool_output_bytes,
         redis_stats_url: url.starts_with("redis://").then(|| url.clone()),
         runs: args.runs,
+        clients: args.clients,
         steps: args.steps,
         model_delay: args.model_delay,
         model_workers: args.model_workers,
