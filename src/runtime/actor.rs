@@ -358,11 +358,12 @@ fn checkpoint_with_body(run: &RunState, body: String) -> Checkpoint {
 
 /// Writes checkpoints of one run. The transcript only grows, and the store keeps it apart,
 /// append-only: each commit sends the small body and only the messages the store does not
-/// hold yet, each serialized once. So the bytes of a commit do not grow with the run, and
-/// neither does the writer: it keeps only the JSON of messages not stored yet.
+/// hold yet, each serialized once (again only for a commit asked for twice). So the bytes of a
+/// commit do not grow with the run, and neither does the writer: it keeps only the JSON of
+/// messages not handed to a commit yet.
 #[derive(Debug, Default)]
 pub struct CheckpointWriter {
-    /// JSON of the messages from `stored` on, serialized for a commit that has not landed.
+    /// JSON of the messages from `stored` on, serialized and not yet handed to a commit.
     pending: Vec<String>,
     /// How many of the run's messages are stored or in `pending`.
     serialized: usize,
@@ -393,6 +394,13 @@ impl CheckpointWriter {
             self.serialized = self.stored;
             self.pending.clear();
         }
+        if self.pending.len() != self.serialized - self.stored {
+            // The last checkpoint took them and was not committed: serialize them again.
+            self.pending = run.messages[self.stored..self.serialized]
+                .iter()
+                .map(serde_json::to_string)
+                .collect::<Result<_, _>>()?;
+        }
         for m in &run.messages[self.serialized..] {
             self.pending.push(serde_json::to_string(m)?);
         }
@@ -400,7 +408,10 @@ impl CheckpointWriter {
         let body = format::encode(run)?;
         let mut c = checkpoint_with_body(run, body);
         c.transcript_from = self.stored as u64;
-        c.transcript = self.pending.clone();
+        // Handed over, not copied (they are the bulk of a commit): once this checkpoint is
+        // committed the store holds them; if it is asked for again first, they are serialized
+        // again above.
+        c.transcript = std::mem::take(&mut self.pending);
         Ok(c)
     }
 }

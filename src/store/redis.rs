@@ -719,15 +719,21 @@ impl Core {
     }
 
     /// Sends a batch of commit commands and answers each job.
-    async fn commit_batch(&self, batch: Vec<CommitJob>) {
+    async fn commit_batch(&self, mut batch: Vec<CommitJob>) {
         // Index writes first, then the scripts, in one pipeline: one round trip per batch.
+        // The commands are moved out of the jobs, not copied (a script carries the body and
+        // the new transcript entries).
         let firsts: Vec<(usize, Cmd)> = batch
-            .iter()
+            .iter_mut()
             .enumerate()
-            .filter_map(|(i, j)| j.index_first.clone().map(|c| (i, c)))
+            .filter_map(|(i, j)| j.index_first.take().map(|c| (i, c)))
             .collect();
         let mut cmds: Vec<Cmd> = firsts.iter().map(|(_, c)| c.clone()).collect();
-        cmds.extend(batch.iter().map(|j| j.cmd.clone()));
+        cmds.extend(
+            batch
+                .iter_mut()
+                .map(|j| std::mem::replace(&mut j.cmd, Cmd::new())),
+        );
         match self.exec_scripts("committing", &cmds).await {
             Ok(mut answers) => {
                 let scripts = answers.split_off(firsts.len());
