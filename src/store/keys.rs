@@ -10,7 +10,7 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `<ns>:{run:<id>}:ckpt` | hash | `v` version, `doc` checkpoint JSON, `seq` last event seq, `status`, `terminal`, `fence` current lease token, `tokens` last issued token |
+//! | `<ns>:{run:<id>}:ckpt` | hash | `v` version, `body` the run's state (its format's JSON), `meta` tenant, agent and creation time (written once, by the create), `u` update time, `seq` last event seq, `tl` transcript length, `status`, `terminal`, `fence` current lease token, `tokens` last issued token (a record of the first layout has `doc`, the whole checkpoint as JSON, instead of `body`, `meta` and `u`, until its next load rewrites it) |
 //! | `<ns>:{run:<id>}:events` | stream | one entry per event, id `<seq>-0`, field `e` = event JSON |
 //! | `<ns>:{run:<id>}:transcript` | list | the run's transcript, one message JSON per entry, append-only; the checkpoint body records its length |
 //! | `<ns>:{run:<id>}:controls` | list | control inbox; position + 1 is the seq |
@@ -76,7 +76,7 @@ impl Keys {
         format!("{}:{{run:{}}}:{suffix}", self.ns, run.as_str())
     }
 
-    /// The run's checkpoint hash (version, document, fence, token counter).
+    /// The run's checkpoint hash (version, body, constant fields, fence, token counter).
     pub fn ckpt(&self, run: &RunId) -> String {
         self.run_key(run, "ckpt")
     }
