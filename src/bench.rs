@@ -44,6 +44,8 @@ pub struct BenchOptions {
     pub park: bool,
     /// Bytes of the text of each tool output (the call itself stays short). 0: a short text.
     pub tool_output_bytes: usize,
+    /// The runtime's `commit_window` (`None`: every transition committed on its own).
+    pub commit_window: Option<Duration>,
     /// A single Redis server (`redis://…`) whose `INFO` is read before and after, to report
     /// bytes received and commands per step. Other clients of that server count too.
     pub redis_stats_url: Option<String>,
@@ -111,6 +113,7 @@ impl Default for BenchOptions {
             timeout: Duration::from_secs(600),
             park: false,
             tool_output_bytes: 0,
+            commit_window: Some(crate::runtime::DEFAULT_COMMIT_WINDOW),
             redis_stats_url: None,
         }
     }
@@ -140,6 +143,9 @@ pub struct BenchReport {
     pub peak_rss: u64,
     /// State transitions committed by the bench's runtime.
     pub transitions: u64,
+    /// Commits that stored them (fewer when read-only steps were committed with their
+    /// results, `runtime.commit_window`).
+    pub commits: u64,
     /// With `park`: resident memory above the baseline while all runs were parked.
     pub parked_rss: Option<u64>,
     /// With `redis_stats_url`: what Redis received during the run (the two `INFO` reads
@@ -190,7 +196,11 @@ impl std::fmt::Display for BenchReport {
             "cpu per step       {:.1?} (user+system, all threads)",
             self.cpu_per_step
         )?;
-        writeln!(f, "transitions        {}", self.transitions)?;
+        writeln!(
+            f,
+            "transitions        {} in {} commits",
+            self.transitions, self.commits
+        )?;
         writeln!(
             f,
             "peak rss           {:.1} MiB (baseline {:.1} MiB)",
@@ -410,6 +420,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         .register(Arc::new(Emit::new()))
         .map_err(|e| e.to_string())?;
     let mut config = RuntimeConfig::default();
+    config.commit_window = opts.commit_window;
     config.gateway.size = PoolSize {
         workers: opts.model_workers,
         queue: opts.runs.max(1024) * 2,
@@ -637,6 +648,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         baseline_rss,
         peak_rss,
         transitions: metrics.transitions.load(Ordering::Relaxed),
+        commits: metrics.commits.load(Ordering::Relaxed),
         parked_rss,
         redis,
         redis_by_turn,

@@ -155,6 +155,7 @@ async fn bench(args: agentd::cli::BenchArgs) -> anyhow::Result<()> {
     let store = agentd::store::open(&url).await?;
     let opts = agentd::bench::BenchOptions {
         tool_output_bytes: args.tool_output_bytes,
+        commit_window: (!args.commit_window.is_zero()).then_some(args.commit_window),
         redis_stats_url: url.starts_with("redis://").then(|| url.clone()),
         runs: args.runs,
         clients: args.clients,
