@@ -84,7 +84,10 @@ const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 pub struct FileConfig {
     /// Writes that may wait for the writer thread.
     pub queue_capacity: usize,
-    /// Most writes applied in one transaction.
+    /// Most writes applied in one transaction. Each transaction ends in one fsync (about 2 ms
+    /// here), so under load the batch is what amortizes it: at 256, a thousand busy runs
+    /// filled nearly every batch and the writer spent a third of its time in fsync;
+    /// 1024 gave `agentd bench --runs 1000 --store file:…` about 30 % more steps per second.
     pub max_batch: usize,
     /// How long a write waits for room in a full queue before `Unavailable`.
     pub queue_wait: Duration,
@@ -97,7 +100,7 @@ impl Default for FileConfig {
     fn default() -> Self {
         FileConfig {
             queue_capacity: 4096,
-            max_batch: 256,
+            max_batch: 1024,
             queue_wait: Duration::from_secs(5),
             reply_wait: Duration::from_secs(30),
         }
