@@ -419,8 +419,10 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     registry
         .register(Arc::new(Emit::new()))
         .map_err(|e| e.to_string())?;
-    let mut config = RuntimeConfig::default();
-    config.commit_window = opts.commit_window;
+    let mut config = RuntimeConfig {
+        commit_window: opts.commit_window,
+        ..RuntimeConfig::default()
+    };
     config.gateway.size = PoolSize {
         workers: opts.model_workers,
         queue: opts.runs.max(1024) * 2,
