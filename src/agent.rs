@@ -242,22 +242,31 @@ impl Agent {
     /// note; tool call/result pairs are never split. Tool output never enters the system
     /// message. Deterministic: the same run gives the same messages.
     pub fn context(&self, run: &RunState) -> Vec<Message> {
-        let (goal, history): (String, &[Message]) = match run.messages.split_first() {
-            Some((Message::User { content }, rest)) => (content.clone(), rest),
+        let (goal, history, skipped): (String, &[Message], usize) = match run.messages.split_first()
+        {
+            Some((Message::User { content }, rest)) => (content.clone(), rest, 1),
             _ => (
                 match &run.input {
                     serde_json::Value::String(s) => s.clone(),
                     other => other.to_string(),
                 },
                 &run.messages[..],
+                0,
             ),
         };
+        // Trimmed outputs by history index (the goal is not in `history`).
+        let whole_lengths: std::collections::BTreeMap<usize, usize> = run
+            .trimmed_outputs
+            .iter()
+            .filter_map(|(&i, &len)| Some((i.checked_sub(skipped)?, len)))
+            .collect();
         let input = ContextInput {
             instructions: &self.spec.instructions,
             goal: &goal,
             obligations: &[],
             history,
             seqs: None,
+            whole_lengths: (!whole_lengths.is_empty()).then_some(&whole_lengths),
         };
         let mut messages = build_context(&input, &self.context_budget(run));
         if self.spec.instructions.is_empty() {
@@ -323,6 +332,82 @@ mod tests {
         assert_eq!(with_schemas, 1000 - tooled.schema_tokens);
         run.context_rebuilds = 1;
         assert_eq!(tooled.context_budget(&run).max_tokens, with_schemas / 2);
+    }
+
+    /// A run that keeps its stored outputs only as far as the context shows them gives the
+    /// model exactly the context the whole outputs would: the same cut, the same note with
+    /// the whole length and the pointer, condensed turns alike, and `read_output` pages whole.
+    #[test]
+    fn trimmed_outputs_build_the_same_context_as_whole_ones() {
+        let spec = AgentSpec::new("a", "m").context(ContextBudget {
+            max_tokens: 3_000,
+            max_tool_output_bytes: 100,
+            read_output: true,
+        });
+        let agent = Agent::new(spec, &Arc::new(Registry::new())).unwrap();
+        for keep_multibyte in [false, true] {
+            let mut run = RunState::new(
+                RunId::generate(),
+                "t".into(),
+                "a".into(),
+                serde_json::json!("the goal"),
+                Budget::default(),
+                0,
+            );
+            run.messages.push(Message::User {
+                content: "the goal".into(),
+            });
+            for i in 0..12 {
+                let name = if i == 11 { "read_output" } else { "fetch" };
+                run.messages.push(Message::Assistant {
+                    content: None,
+                    tool_calls: vec![ModelToolCall {
+                        id: format!("c{i}"),
+                        name: name.into(),
+                        arguments: "{}".into(),
+                    }],
+                });
+                // Outputs of every size around the cut, some with a wide character on it.
+                let body = if keep_multibyte {
+                    "é".repeat(40 + i * 20)
+                } else {
+                    "x".repeat(60 + i * 20)
+                };
+                run.messages.push(Message::Tool {
+                    call_id: format!("c{i}"),
+                    content: format!("{{\"ok\":true,\"data\":\"{body}\"}}"),
+                });
+            }
+            let whole = agent.context(&run);
+            let before: usize = run
+                .messages
+                .iter()
+                .map(|m| match m {
+                    Message::Tool { content, .. } => content.len(),
+                    _ => 0,
+                })
+                .sum();
+            // Only what is stored is trimmed: the newest two messages are not yet.
+            let stored = run.messages.len() - 2;
+            let freed = run.trim_stored_outputs(stored, 100);
+            assert!(freed > 0 && !run.trimmed_outputs.is_empty());
+            assert!(run.trimmed_outputs.keys().all(|&i| i < stored));
+            let after: usize = run
+                .messages
+                .iter()
+                .map(|m| match m {
+                    Message::Tool { content, .. } => content.len(),
+                    _ => 0,
+                })
+                .sum();
+            assert_eq!(before - after, freed);
+            assert_eq!(agent.context(&run), whole, "multibyte: {keep_multibyte}");
+            // Trimming again changes nothing; the read_output page (c11) is never trimmed.
+            assert_eq!(run.trim_stored_outputs(run.messages.len(), 100), 0);
+            assert!(
+                matches!(run.messages.last(), Some(Message::Tool { content, .. }) if content.len() > 100)
+            );
+        }
     }
 
     #[test]

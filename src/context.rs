@@ -87,6 +87,9 @@ pub struct ContextInput<'a> {
     /// Optional event-log seq of each history message (same length as `history`), used in the
     /// condensed note's references. Without it the note refers to history indices.
     pub seqs: Option<&'a [u64]>,
+    /// Tool outputs of `history` kept only in part (`RunState::trimmed_outputs`, keyed by
+    /// history index here): each one's whole length, for the cut's note.
+    pub whole_lengths: Option<&'a std::collections::BTreeMap<usize, usize>>,
 }
 
 /// Limits of the built context.
@@ -171,10 +174,17 @@ fn group_units(history: &[Message]) -> Vec<Unit> {
 
 /// A tool message with long content cut to `max_bytes` and a pointer appended: how to read
 /// the rest with `read_output` when the model has it, else where the full output is kept.
-fn cut_tool_output(message: &Message, max_bytes: usize, read_output: bool) -> (Message, bool) {
+/// `whole`: the output's whole length when `message` keeps only its head (a trimmed output,
+/// whose head is never longer than the cut).
+fn cut_tool_output(
+    message: &Message,
+    max_bytes: usize,
+    read_output: bool,
+    whole: Option<usize>,
+) -> (Message, bool) {
     match message {
-        Message::Tool { call_id, content } if content.len() > max_bytes => {
-            let mut cut = max_bytes;
+        Message::Tool { call_id, content } if whole.unwrap_or(content.len()) > max_bytes => {
+            let mut cut = max_bytes.min(content.len());
             while cut > 0 && !content.is_char_boundary(cut) {
                 cut -= 1;
             }
@@ -190,7 +200,7 @@ fn cut_tool_output(message: &Message, max_bytes: usize, read_output: bool) -> (M
                 "{}… [output truncated: {} of {} bytes shown; {pointer}]",
                 &content[..cut],
                 cut,
-                content.len()
+                whole.unwrap_or(content.len())
             );
             (
                 Message::Tool {
@@ -350,6 +360,7 @@ pub fn build_context_detailed(input: &ContextInput<'_>, budget: &ContextBudget) 
                     &history[i],
                     budget.max_tool_output_bytes,
                     budget.read_output,
+                    input.whole_lengths.and_then(|w| w.get(&i).copied()),
                 );
                 cuts += usize::from(cut);
                 m
@@ -566,6 +577,7 @@ mod tests {
                 obligations: &case.obligations,
                 history: &case.history,
                 seqs: None,
+                whole_lengths: None,
             };
             let budget = ContextBudget {
                 max_tokens: case.max_tokens,
@@ -599,6 +611,7 @@ mod tests {
             obligations: &[],
             history: &history,
             seqs: None,
+            whole_lengths: None,
         };
         let budget = ContextBudget {
             max_tokens: 10_000,
@@ -658,6 +671,7 @@ mod tests {
             obligations: &[],
             history: &history,
             seqs: Some(&seqs),
+            whole_lengths: None,
         };
         let budget = ContextBudget {
             max_tokens: 50,
@@ -728,6 +742,7 @@ mod tests {
                 obligations: &obligations,
                 history: &history,
                 seqs: None,
+                whole_lengths: None,
             };
             let budget = ContextBudget { max_tokens, max_tool_output_bytes: max_out, read_output: false };
             let out = build_context(&input, &budget);

@@ -370,6 +370,17 @@ pub trait CheckpointStore: Send + Sync + 'static {
     /// The run's checkpoint, its whole transcript included; `None` if no such run is stored.
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>>;
 
+    /// One entry of the run's stored transcript, by its index (from 0): a stored value read
+    /// by reference, e.g. the whole of a tool output the run keeps only in part. `None` if
+    /// the run or the entry is not stored. (This default reads the whole run; the stores
+    /// read the one entry.)
+    async fn transcript_entry(&self, run: &RunId, index: u64) -> Result<Option<String>> {
+        let usize_index = usize::try_from(index).unwrap_or(usize::MAX);
+        Ok(self.load(run).await?.and_then(|mut c| {
+            (usize_index < c.transcript.len()).then(|| c.transcript.swap_remove(usize_index))
+        }))
+    }
+
     /// Atomically: checks the stored version is `expected_version` and `lease` is current,
     /// replaces the checkpoint, appends `events` (which must continue the log's seq), and keeps
     /// the active index (a terminal checkpoint leaves it, and leaves the due index).

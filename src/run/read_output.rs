@@ -1,7 +1,11 @@
 //! `read_output`, the runtime-provided tool that lets a model read an earlier tool output of
 //! its own run in bounded pages, by the call id the context builder's truncation note names.
 //! Pure: it reads the run's transcript (the stored, append-only record of every tool result)
-//! and nothing else, so it can never reach another run's data.
+//! and nothing else, so it can never reach another run's data. An output the run keeps only
+//! in part (`RunState::trimmed_outputs`) is paged from its stored transcript entry, which the
+//! run's actor reads (`Lookup::Stored`, `page_of_entry`).
+
+use std::collections::BTreeMap;
 
 use serde_json::{Value, json};
 
@@ -44,8 +48,48 @@ pub fn parameters() -> Value {
 /// tool message answering that call id. `offset` counts bytes of the output as stored (the
 /// result envelope the model was given), and pages end on character boundaries. A `run_id`
 /// other than `own_run` is refused: references are valid only inside the run that holds them.
+/// Every message must hold its whole output (see [`lookup`] for a run that trims them).
 pub fn read(messages: &[Message], own_run: &RunId, arguments: &Value) -> ToolResult {
-    let fail = |code, message: String| ToolResult::failure(ToolError::new(code, message));
+    match lookup(messages, &BTreeMap::new(), own_run, arguments) {
+        Lookup::Answered(result) => result,
+        Lookup::Stored { .. } => ToolResult::failure(ToolError::new(
+            ToolErrorCode::Failed,
+            "the output is kept only in the store",
+        )),
+    }
+}
+
+/// Where the page a call asks for comes from.
+#[derive(Debug)]
+pub enum Lookup {
+    /// Answered from the messages (or refused).
+    Answered(ToolResult),
+    /// The output is one the run keeps only in part (`RunState::trimmed_outputs`): read the
+    /// stored transcript entry `index` and answer with [`page_of_entry`].
+    Stored {
+        /// The message's index in the transcript.
+        index: usize,
+        /// The call whose output it is.
+        call_id: String,
+        /// The page's first byte.
+        offset: usize,
+        /// The page's most bytes.
+        max_bytes: usize,
+    },
+}
+
+/// [`read`] for a run whose messages may keep only the head of an output: `trimmed` maps
+/// such a message's index to its whole length (`RunState::trimmed_outputs`), and its pages
+/// are read from the store.
+pub fn lookup(
+    messages: &[Message],
+    trimmed: &BTreeMap<usize, usize>,
+    own_run: &RunId,
+    arguments: &Value,
+) -> Lookup {
+    let fail = |code, message: String| {
+        Lookup::Answered(ToolResult::failure(ToolError::new(code, message)))
+    };
     if let Some(other) = arguments.get("run_id").and_then(Value::as_str)
         && other != own_run.as_str()
     {
@@ -64,24 +108,62 @@ pub fn read(messages: &[Message], own_run: &RunId, arguments: &Value) -> ToolRes
         .map_or(DEFAULT_PAGE_BYTES, |n| {
             (n as usize).clamp(1, MAX_PAGE_BYTES)
         });
-    let Some(content) = messages.iter().rev().find_map(|m| match m {
-        Message::Tool {
-            call_id: id,
-            content,
-        } if id == call_id => Some(content),
-        _ => None,
-    }) else {
+    let Some((index, content)) = messages
+        .iter()
+        .enumerate()
+        .rev()
+        .find_map(|(i, m)| match m {
+            Message::Tool {
+                call_id: id,
+                content,
+            } if id == call_id => Some((i, content)),
+            _ => None,
+        })
+    else {
         return fail(
             ToolErrorCode::Failed,
             format!("this run has no output of call {call_id}"),
         );
     };
+    if trimmed.contains_key(&index) {
+        return Lookup::Stored {
+            index,
+            call_id: call_id.to_owned(),
+            offset,
+            max_bytes,
+        };
+    }
+    Lookup::Answered(page(call_id, content, offset, max_bytes))
+}
+
+/// The page of a stored transcript entry (one message's JSON) that [`Lookup::Stored`] asked
+/// for; `None` (the entry is missing) is an error, not an empty page.
+pub fn page_of_entry(
+    entry: Option<&str>,
+    call_id: &str,
+    offset: usize,
+    max_bytes: usize,
+) -> ToolResult {
+    match entry.map(serde_json::from_str::<Message>) {
+        Some(Ok(Message::Tool {
+            call_id: id,
+            content,
+        })) if id == call_id => page(call_id, &content, offset, max_bytes),
+        _ => ToolResult::failure(ToolError::new(
+            ToolErrorCode::Failed,
+            format!("the stored output of call {call_id} could not be read"),
+        )),
+    }
+}
+
+/// The page of `content` from `offset` (at most `max_bytes`, on character boundaries).
+fn page(call_id: &str, content: &str, offset: usize, max_bytes: usize) -> ToolResult {
     let total = content.len();
     if offset > total {
-        return fail(
+        return ToolResult::failure(ToolError::new(
             ToolErrorCode::InvalidArgument,
             format!("offset {offset} is beyond the output's {total} bytes"),
-        );
+        ));
     }
     let start = floor_char_boundary(content, offset);
     let end = floor_char_boundary(content, start.saturating_add(max_bytes).min(total));

@@ -448,9 +448,59 @@ pub struct RunState {
     /// leaves it out.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub messages: Vec<Message>,
+    /// Tool outputs kept in memory only as far as the context shows them, by reference to
+    /// the stored transcript: message index → the stored output's whole length in bytes. The
+    /// whole output is the stored transcript entry at that index, read back by `read_output`
+    /// when a page goes beyond what is kept. Set by the run's actor for stored messages only
+    /// (`trim_stored_outputs`); never stored itself.
+    #[serde(skip)]
+    pub trimmed_outputs: std::collections::BTreeMap<usize, usize>,
 }
 
 impl RunState {
+    /// Keeps of each stored tool output (messages before `stored`) longer than `keep` bytes
+    /// only its first `keep` bytes (cut on a character boundary, as the context builder cuts
+    /// it) and records its whole length in `trimmed_outputs`, so a run's memory holds what
+    /// the model is shown, not every output whole. Messages from `stored` on are not touched
+    /// (they are not in the store yet). Pure; returns the bytes given back.
+    pub fn trim_stored_outputs(&mut self, stored: usize, keep: usize) -> usize {
+        let stored = stored.min(self.messages.len());
+        let long = |m: &Message| matches!(m, Message::Tool { content, .. } if content.len() > keep);
+        if !self.messages[..stored].iter().any(long) {
+            return 0;
+        }
+        // Pages `read_output` answered are shown whole (the context builder never cuts them),
+        // so they are kept whole.
+        let pages: std::collections::HashSet<String> = self
+            .messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::Assistant { tool_calls, .. } => Some(tool_calls),
+                _ => None,
+            })
+            .flatten()
+            .filter(|c| c.name == crate::run::read_output::READ_OUTPUT_TOOL)
+            .map(|c| c.id.clone())
+            .collect();
+        let mut freed = 0;
+        for (i, m) in self.messages[..stored].iter_mut().enumerate() {
+            if let Message::Tool { call_id, content } = m
+                && content.len() > keep
+                && !pages.contains(call_id.as_str())
+            {
+                let mut cut = keep;
+                while cut > 0 && !content.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                self.trimmed_outputs.insert(i, content.len());
+                freed += content.len() - cut;
+                content.truncate(cut);
+                content.shrink_to_fit();
+            }
+        }
+        freed
+    }
+
     /// Why the control at inbox `seq` was refused, if it was (and is still remembered).
     pub fn refusal(&self, seq: u64) -> Option<&ControlRefusal> {
         self.control_refusals.iter().find(|r| r.seq == seq)
@@ -505,6 +555,7 @@ impl RunState {
             created_at_ms: now_ms,
             updated_at_ms: now_ms,
             version: 1,
+            trimmed_outputs: Default::default(),
         }
     }
 

@@ -379,6 +379,11 @@ impl CheckpointWriter {
         self.serialized = self.stored;
     }
 
+    /// How many transcript entries the store holds, as of the last commit or load.
+    pub fn stored(&self) -> usize {
+        self.stored
+    }
+
     /// The last checkpoint handed out was committed: the store holds its transcript.
     pub fn committed(&mut self) {
         self.stored = self.serialized;
@@ -658,6 +663,7 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
     }
     let mut live = Live::new(run, lease, agent);
     live.writer.loaded(&cp);
+    trim_outputs(&mut live);
     if let Some(deadline) = live.run.budget.deadline_ms {
         let wait = Duration::from_millis(deadline.saturating_sub(now_ms()));
         live.deadline_timer = Some(
@@ -1042,6 +1048,7 @@ async fn reload(
     tracing::info!(run = %live.run.id, version = loaded.version, "store is back; resuming the run");
     live.run = loaded;
     live.writer.loaded(&cp);
+    trim_outputs(live);
     live.reloading = false;
     deps.metrics.paused_runs.fetch_sub(1, Ordering::Relaxed);
     live.store_failures = 0;
@@ -1178,6 +1185,15 @@ async fn commit_transition(
     Ok(Applied::Done)
 }
 
+/// Keeps of each stored tool output only what the context shows of it (the agent's
+/// `max_tool_output_bytes`): the whole output stays in the stored transcript, read by
+/// reference when `read_output` pages beyond it. So a run's memory follows what its model is
+/// shown, not the size of every output it got.
+fn trim_outputs(live: &mut Live) {
+    let keep = live.agent.spec.context.max_tool_output_bytes;
+    live.run.trim_stored_outputs(live.writer.stored(), keep);
+}
+
 /// Commits the transitions still waiting in `live.uncommitted` on their own (their window
 /// closed, or a reader asks for the state).
 async fn commit_uncommitted(
@@ -1222,6 +1238,7 @@ async fn commit_pending(
         Ok(()) => {
             live.store_failures = 0;
             live.writer.committed();
+            trim_outputs(live);
         }
         Err(e) if e.is_retryable() || matches!(e, store::Error::VersionConflict { .. }) => {
             // `live.run` now holds a state that may or may not be stored (a conflict: the
@@ -1380,17 +1397,64 @@ fn execute(myself: &ActorRef<RunMsg>, deps: &Arc<RunDeps>, live: &mut Live, effe
             };
             let me = myself.clone();
             if call.tool == crate::run::read_output::READ_OUTPUT_TOOL && !status_check {
-                // Runtime-provided: a page of the run's own transcript, answered here.
-                let result = crate::run::read_output::read(&run.messages, &run.id, &call.arguments);
-                let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
-                    epoch,
-                    call_id,
-                    result,
-                }));
+                // Runtime-provided: a page of the run's own transcript, answered here, or for
+                // an output the run keeps only in part, from its stored transcript entry.
+                use crate::run::read_output::{Lookup, lookup, page_of_entry};
+                // Its answer is a `ToolFinished` like any tool's, counted the same way.
+                live.tools_in_flight += 1;
+                match lookup(
+                    &run.messages,
+                    &run.trimmed_outputs,
+                    &run.id,
+                    &call.arguments,
+                ) {
+                    Lookup::Answered(result) => {
+                        let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
+                            epoch,
+                            call_id,
+                            result,
+                        }));
+                    }
+                    Lookup::Stored {
+                        index,
+                        call_id: of,
+                        offset,
+                        max_bytes,
+                    } => {
+                        let (store, run_id) = (deps.store.clone(), run.id.clone());
+                        // Always answered (the store bounds the read): a run waits for its
+                        // answers before it stops, and one of an older epoch is ignored.
+                        tokio::spawn(async move {
+                            let read = store.transcript_entry(&run_id, index as u64).await;
+                            let result = match read {
+                                Ok(entry) => {
+                                    page_of_entry(entry.as_deref(), &of, offset, max_bytes)
+                                }
+                                Err(e) => ToolResult::failure(ToolError::new(
+                                    if e.is_retryable() {
+                                        ToolErrorCode::Retryable
+                                    } else {
+                                        ToolErrorCode::Failed
+                                    },
+                                    format!(
+                                        "the stored output of call {of} could not be read: {}",
+                                        e.code()
+                                    ),
+                                )),
+                            };
+                            let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
+                                epoch,
+                                call_id,
+                                result,
+                            }));
+                        });
+                    }
+                }
                 return;
             }
             let Some(tool) = live.agent.tools.tool(&call.tool) else {
                 // Config changed since the call was validated: answer it without running it.
+                live.tools_in_flight += 1;
                 let _ = me.cast(RunMsg::Event(RunEvent::ToolFinished {
                     epoch,
                     call_id,

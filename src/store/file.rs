@@ -985,6 +985,23 @@ impl CheckpointStore for FileStore {
             .await
     }
 
+    async fn transcript_entry(&self, run: &RunId, index: u64) -> Result<Option<String>> {
+        let run = run.clone();
+        self.blocking(move |inner| {
+            let what = format!("reading transcript entry {index} of run {run}");
+            let txn = inner.db.begin_read().map_err(|e| db_err(&what, e))?;
+            let t = txn.open_table(TRANSCRIPT).map_err(|e| db_err(&what, e))?;
+            // Entries are keyed from 1.
+            let Some(key) = index.checked_add(1) else {
+                return Ok(None);
+            };
+            Ok(t.get((run.as_str(), key))
+                .map_err(|e| db_err(&what, e))?
+                .map(|v| v.value().to_owned()))
+        })
+        .await
+    }
+
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>> {
         let run = run.clone();
         self.blocking(move |inner| {

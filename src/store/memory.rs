@@ -177,6 +177,14 @@ impl CheckpointStore for MemoryStore {
         }))
     }
 
+    async fn transcript_entry(&self, run: &RunId, index: u64) -> Result<Option<String>> {
+        Ok(self.runs.get(run).and_then(|e| {
+            usize::try_from(index)
+                .ok()
+                .and_then(|i| e.transcript.get(i).cloned())
+        }))
+    }
+
     async fn commit(
         &self,
         lease: &Lease,

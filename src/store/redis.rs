@@ -1374,6 +1374,16 @@ impl CheckpointStore for RedisStore {
         Ok(Some(c))
     }
 
+    async fn transcript_entry(&self, run: &RunId, index: u64) -> Result<Option<String>> {
+        let what = format!("reading transcript entry {index} of run {run}");
+        let Ok(index) = i64::try_from(index) else {
+            return Ok(None);
+        };
+        let mut c = ::redis::cmd("LINDEX");
+        c.arg(self.core.keys.transcript(run)).arg(index);
+        self.core.query(&what, &c).await
+    }
+
     async fn commit(
         &self,
         lease: &Lease,

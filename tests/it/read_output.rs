@@ -264,3 +264,182 @@ context_tokens = 600
     assert_eq!(texts, expected);
     d.stop().await;
 }
+
+mod kept_in_part {
+    //! On the runtime directly: a stored output longer than what the context shows is kept
+    //! in the run's memory only as far as it is shown; `read_output` pages beyond that are
+    //! read from the stored transcript entry, and rejoin exactly to the output as stored.
+
+    use std::sync::{Arc, Mutex};
+
+    use agentd::agent::AgentSpec;
+    use agentd::context::ContextBudget;
+    use agentd::model::scripted::ScriptedModel;
+    use agentd::model::{Message, ModelReply, ModelToolCall};
+    use agentd::run::{RunEvent, RunState, Status};
+    use agentd::runtime::actor::FaultInjector;
+    use agentd::tool::{Tool, ToolContext, ToolEffect, ToolError, ToolSpec};
+    use serde_json::{Value, json};
+
+    use crate::support::{Builder, TENANT, WAIT};
+
+    const CUT: usize = 1024;
+
+    /// Answers one long text, about 37,000 bytes with wide characters in it.
+    struct Long {
+        spec: ToolSpec,
+    }
+
+    #[async_trait::async_trait]
+    impl Tool for Long {
+        fn spec(&self) -> &ToolSpec {
+            &self.spec
+        }
+
+        async fn call(&self, _ctx: &ToolContext, _arguments: Value) -> Result<Value, ToolError> {
+            Ok(json!({"text": "é·report·".repeat(3_077)}))
+        }
+    }
+
+    fn call(id: &str, name: &str, arguments: Value) -> ModelReply {
+        ModelReply {
+            tool_calls: vec![ModelToolCall {
+                id: id.into(),
+                name: name.into(),
+                arguments: arguments.to_string(),
+            }],
+            ..Default::default()
+        }
+    }
+
+    /// Reads the long output: the pointer of the cut, then page after page until the last,
+    /// then answers with the pages joined.
+    fn reader() -> ScriptedModel {
+        ScriptedModel::from_fn("m", |req| {
+            let last = req.messages.iter().rev().find_map(|m| match m {
+                Message::Tool { call_id, content } => Some((call_id.clone(), content.clone())),
+                _ => None,
+            });
+            let pages: Vec<Value> = req
+                .messages
+                .iter()
+                .filter_map(|m| match m {
+                    Message::Tool { call_id, content } if call_id.starts_with("page") => {
+                        serde_json::from_str::<Value>(content).ok()
+                    }
+                    _ => None,
+                })
+                .collect();
+            Ok(match last {
+                None => call("long", "long", json!({})),
+                Some((id, content)) if id == "long" => {
+                    let pointer = content
+                        .split("read_output ")
+                        .nth(1)
+                        .and_then(|rest| rest.strip_suffix(']'))
+                        .expect("the cut names the read_output call");
+                    let mut args: Value = serde_json::from_str(pointer).unwrap();
+                    // The pointer reads on after the cut (on a character boundary).
+                    let after = args["offset"].as_u64().unwrap_or(0) as usize;
+                    assert!(after > CUT - 4 && after <= CUT, "{after}");
+                    // From the start, so the pages make the whole output.
+                    args["offset"] = json!(0);
+                    args["max_bytes"] = json!(16 * 1024);
+                    call("page0", "read_output", args)
+                }
+                Some(_) => {
+                    let data = &pages.last().unwrap()["data"];
+                    match data["next_offset"].as_u64() {
+                        Some(next) => call(
+                            &format!("page{}", pages.len()),
+                            "read_output",
+                            json!({"call_id": "long", "offset": next, "max_bytes": 16 * 1024}),
+                        ),
+                        None => ModelReply {
+                            text: Some(
+                                pages
+                                    .iter()
+                                    .map(|p| p["data"]["text"].as_str().unwrap())
+                                    .collect::<String>(),
+                            ),
+                            ..Default::default()
+                        },
+                    }
+                }
+            })
+        })
+    }
+
+    /// What the run held in memory of the long output at each read_output result.
+    #[derive(Default)]
+    struct Watch(Mutex<Vec<(usize, Option<usize>)>>);
+
+    impl FaultInjector for Watch {
+        fn panic_before(&self, run: &RunState, event: &RunEvent) -> bool {
+            if let RunEvent::ToolFinished { .. } = event
+                && let Some((i, len)) = run.messages.iter().enumerate().find_map(|(i, m)| match m {
+                    Message::Tool { call_id, content } if call_id == "long" => {
+                        Some((i, content.len()))
+                    }
+                    _ => None,
+                })
+            {
+                self.0
+                    .lock()
+                    .unwrap()
+                    .push((len, run.trimmed_outputs.get(&i).copied()));
+            }
+            false
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_output_is_kept_as_far_as_shown_and_read_back_whole_from_the_store() {
+        let watch = Arc::new(Watch::default());
+        let mut b = Builder::new()
+            .tool(Arc::new(Long {
+                spec: ToolSpec::new("long", "A long report.", json!({"type": "object"}))
+                    .effect(ToolEffect::Read),
+            }))
+            .model(reader())
+            .agent(
+                AgentSpec::new("a", "m")
+                    .tools(["long"])
+                    .context(ContextBudget {
+                        max_tokens: 100_000,
+                        max_tool_output_bytes: CUT,
+                        read_output: true,
+                    }),
+            );
+        b.faults = Some(watch.clone());
+        let h = b.start().await;
+        let id = h.start_run("a", "read the report").await;
+        let run = h.handle.wait_terminal(TENANT, &id, WAIT).await.unwrap();
+        assert_eq!(run.status, Status::Succeeded, "{:?}", run.error);
+        // The output as stored, whole.
+        let (messages, _) = h.handle.messages(TENANT, &id, 0, 100).await.unwrap();
+        let stored = messages
+            .iter()
+            .find_map(|(_, m)| match m {
+                Message::Tool { call_id, content } if call_id == "long" => Some(content.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert!(stored.len() > 36_000, "{}", stored.len());
+        // Read back page by page (from the store: memory kept only the head), it is whole.
+        // (The joined pages are the envelope's JSON, so the run's output is that JSON.)
+        let whole: Value = serde_json::from_str(&stored).unwrap();
+        assert!(
+            run.output.as_ref() == Some(&whole),
+            "the pages did not rejoin to the output"
+        );
+        let seen = watch.0.lock().unwrap().clone();
+        // One observation per page (the long output's own result came before its message).
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        for (len, whole) in &seen {
+            assert!(*len <= CUT, "kept {len} bytes of it in memory");
+            assert_eq!(*whole, Some(stored.len()));
+        }
+        h.shutdown().await;
+    }
+}

@@ -968,6 +968,19 @@ async fn transcript_is_append_only(s: &dyn Store) {
         loaded.transcript,
         vec![r#"{"m":1}"#, r#"{"m":2}"#, r#"{"m":3}"#]
     );
+    // Each entry is read by reference, alone; past the end, or of a run never stored: none.
+    for (i, entry) in loaded.transcript.iter().enumerate() {
+        assert_eq!(
+            s.transcript_entry(&run, i as u64).await.unwrap().as_ref(),
+            Some(entry)
+        );
+    }
+    assert_eq!(s.transcript_entry(&run, 3).await.unwrap(), None);
+    assert_eq!(s.transcript_entry(&run, u64::MAX).await.unwrap(), None);
+    assert_eq!(
+        s.transcript_entry(&RunId::generate(), 0).await.unwrap(),
+        None
+    );
 
     // Continuing from the wrong place is a torn write: refused, nothing stored.
     let mut torn = ckpt(&run, "t", 3);
