@@ -334,6 +334,22 @@ mod tests {
         assert_eq!(tooled.context_budget(&run).max_tokens, with_schemas / 2);
     }
 
+    /// A new run whose transcript holds its goal, "the goal".
+    fn run_with_goal() -> RunState {
+        let mut run = RunState::new(
+            RunId::generate(),
+            "t".into(),
+            "a".into(),
+            serde_json::json!("the goal"),
+            Budget::default(),
+            0,
+        );
+        run.messages.push(Message::User {
+            content: "the goal".into(),
+        });
+        run
+    }
+
     /// A run that keeps its stored outputs only as far as the context shows them gives the
     /// model exactly the context the whole outputs would: the same cut, the same note with
     /// the whole length and the pointer, condensed turns alike, and `read_output` pages whole.
@@ -346,17 +362,7 @@ mod tests {
         });
         let agent = Agent::new(spec, &Arc::new(Registry::new())).unwrap();
         for keep_multibyte in [false, true] {
-            let mut run = RunState::new(
-                RunId::generate(),
-                "t".into(),
-                "a".into(),
-                serde_json::json!("the goal"),
-                Budget::default(),
-                0,
-            );
-            run.messages.push(Message::User {
-                content: "the goal".into(),
-            });
+            let mut run = run_with_goal();
             for i in 0..12 {
                 let name = if i == 11 { "read_output" } else { "fetch" };
                 run.messages.push(Message::Assistant {
@@ -420,17 +426,7 @@ mod tests {
                 read_output: true,
             });
         let agent = Agent::new(spec, &Arc::new(Registry::new())).unwrap();
-        let mut run = RunState::new(
-            RunId::generate(),
-            "t".into(),
-            "a".into(),
-            serde_json::json!("the goal"),
-            Budget::default(),
-            0,
-        );
-        run.messages.push(Message::User {
-            content: "the goal".into(),
-        });
+        let mut run = run_with_goal();
         for i in 0..30 {
             run.messages.push(Message::Assistant {
                 content: None,
