@@ -34,7 +34,7 @@ use crate::run::machine::InvalidTransition;
 use crate::run::{Budget, Policy, RunState, Status};
 use crate::runtime::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
 use crate::runtime::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
-use crate::store::{self, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
+use crate::store::{self, Checkpoint, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
 use crate::tool::ToolResult;
 use crate::tool::executor::ToolExecutor;
 use crate::tool::registry::Registry;
@@ -715,7 +715,7 @@ impl RuntimeHandle {
         match outcome {
             Ok(CreateOutcome::Created) => {
                 inner.deps.metrics.entered_by(&req.tenant, Status::Created);
-                self.start_new(&run.id).await?;
+                self.start_new(&run.id, Some(checkpoint)).await?;
                 Ok((run, true))
             }
             Ok(CreateOutcome::Existing(id)) => {
@@ -731,7 +731,7 @@ impl RuntimeHandle {
                 if existing.status == Status::Created {
                     // Stored but never started (its first node died in between): start it. If
                     // it is starting elsewhere, the lease decides and this is a no-op.
-                    self.start_new(&existing.id).await?;
+                    self.start_new(&existing.id, None).await?;
                 }
                 Ok((existing, false))
             }
@@ -743,7 +743,9 @@ impl RuntimeHandle {
     }
 
     /// Starts a new run here, or — when this node has no room — leaves it due for any node.
-    async fn start_new(&self, id: &RunId) -> Result<(), Error> {
+    /// `created`: the checkpoint this node's create just stored, so the actor need not read
+    /// it back.
+    async fn start_new(&self, id: &RunId, created: Option<Checkpoint>) -> Result<(), Error> {
         let inner = &self.inner;
         let live = inner.deps.metrics.live_runs.load(Ordering::Relaxed) as usize;
         if live >= inner.config.max_live_runs {
@@ -751,13 +753,17 @@ impl RuntimeHandle {
             inner.deps.store.set_due(id, Some(now_ms())).await?;
             return Ok(());
         }
-        inner
-            .supervisor
-            .cast(SupervisorMsg::Start {
+        let msg = match created {
+            Some(checkpoint) => SupervisorMsg::StartCreated {
+                id: id.clone(),
+                checkpoint: Box::new(checkpoint),
+            },
+            None => SupervisorMsg::Start {
                 id: id.clone(),
                 boot: Boot::Start,
-            })
-            .map_err(|_| Error::ShuttingDown)
+            },
+        };
+        inner.supervisor.cast(msg).map_err(|_| Error::ShuttingDown)
     }
 
     /// The run as last committed, if it belongs to `tenant`.

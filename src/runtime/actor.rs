@@ -244,6 +244,9 @@ pub struct RunArgs {
     pub deps: Arc<RunDeps>,
     /// The actor was started for a stored control: if another node owns the run, wake it.
     pub wake_owner: bool,
+    /// A run this node has just created: the checkpoint its create stored, used instead of
+    /// reading it back (`Boot::Start` only; a retried boot reads the store).
+    pub created: Option<Box<Checkpoint>>,
 }
 
 /// The actor's state: empty until `post_start` has loaded the checkpoint.
@@ -251,6 +254,7 @@ pub struct RunActorState {
     id: RunId,
     boot: Boot,
     wake_owner: bool,
+    created: Option<Box<Checkpoint>>,
     deps: Arc<RunDeps>,
     live: Option<Live>,
     /// Messages that arrived before the run was loaded (the store did not answer yet).
@@ -451,6 +455,7 @@ impl Actor for RunActor {
             id: args.id,
             boot: args.boot,
             wake_owner: args.wake_owner,
+            created: args.created,
             deps: args.deps,
             live: None,
             early: Vec::new(),
@@ -607,12 +612,17 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
             })
         }
     };
-    let cp = deps
-        .store
-        .load(&id)
-        .await
-        .map_err(down)?
-        .ok_or_else(|| Error::Missing(id.clone()))?;
+    let cp = match st.created.take() {
+        // Just stored by this node's create, and nobody can have committed since: a commit
+        // needs the lease, which this boot claims next (a version conflict would reload).
+        Some(cp) if st.boot == Boot::Start => *cp,
+        _ => deps
+            .store
+            .load(&id)
+            .await
+            .map_err(down)?
+            .ok_or_else(|| Error::Missing(id.clone()))?,
+    };
     let run = state_of(&cp).map_err(|e| Error::Corrupt {
         run: id.clone(),
         message: e.to_string(),

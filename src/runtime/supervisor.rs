@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg, StopReason};
 use crate::ids::RunId;
+use crate::store::Checkpoint;
 
 /// How often a crashing run is restarted before it fails with `crash_loop`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,6 +75,14 @@ pub enum SupervisorMsg {
         id: RunId,
         /// How its actor begins.
         boot: Boot,
+    },
+    /// Start the actor of a run this node has just created, from the checkpoint it stored
+    /// (so the actor does not read it back).
+    StartCreated {
+        /// The run.
+        id: RunId,
+        /// The checkpoint the create stored.
+        checkpoint: Box<Checkpoint>,
     },
     /// A control was stored at inbox `seq`: wake the run's actor (bringing it back if it is
     /// not live); the reply comes from the actor once that entry is consumed.
@@ -133,7 +142,7 @@ impl SupervisorState {
     }
 
     async fn spawn(&mut self, myself: &ActorRef<SupervisorMsg>, id: RunId, boot: Boot) {
-        self.spawn_for(myself, id, boot, false).await;
+        self.spawn_for(myself, id, boot, false, None).await;
     }
 
     /// `spawn`; `wake_owner`: the actor is started for a stored control, so if another node
@@ -144,12 +153,14 @@ impl SupervisorState {
         id: RunId,
         boot: Boot,
         wake_owner: bool,
+        created: Option<Box<Checkpoint>>,
     ) {
         let args = RunArgs {
             id: id.clone(),
             boot,
             deps: self.deps.clone(),
             wake_owner,
+            created,
         };
         match Actor::spawn_linked(None, RunActor, args, myself.get_cell()).await {
             Ok((actor, _join)) => {
@@ -191,7 +202,8 @@ impl SupervisorState {
             Some(entry) => entry.pending.push(msg),
             None => {
                 self.runs.entry(id.clone()).or_default().pending.push(msg);
-                self.spawn_for(myself, id, Boot::Rehydrate, true).await;
+                self.spawn_for(myself, id, Boot::Rehydrate, true, None)
+                    .await;
             }
         }
     }
@@ -272,6 +284,13 @@ impl Actor for RunSupervisor {
                     st.spawn(&myself, id, boot).await;
                 }
             }
+            SupervisorMsg::StartCreated { id, checkpoint } => {
+                let live = st.runs.get(&id).is_some_and(|e| e.actor.is_some());
+                if !live {
+                    st.spawn_for(&myself, id, Boot::Start, false, Some(checkpoint))
+                        .await;
+                }
+            }
             SupervisorMsg::Respawn(id) => {
                 if st.runs.get(&id).is_some_and(|e| e.actor.is_none()) {
                     st.spawn(&myself, id, Boot::Recover).await;
@@ -329,7 +348,7 @@ impl Actor for RunSupervisor {
                         if !pending.is_empty() && passivated.is_some() {
                             // Mail arrived while it was stopping: bring it straight back.
                             st.runs.entry(id.clone()).or_default().pending = pending;
-                            st.spawn_for(&myself, id, Boot::Rehydrate, true).await;
+                            st.spawn_for(&myself, id, Boot::Rehydrate, true, None).await;
                         } else if let Some(Some(wake_at)) = passivated {
                             // Its deadline or an approval expiry will need it.
                             let wait = Duration::from_millis(
