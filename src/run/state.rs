@@ -455,6 +455,25 @@ pub struct RunState {
     /// (`trim_stored_outputs`); never stored itself.
     #[serde(skip)]
     pub trimmed_outputs: std::collections::BTreeMap<usize, usize>,
+    /// Messages before this index were looked at by `trim_stored_outputs`. Never stored.
+    #[serde(skip)]
+    pub trim_checked: usize,
+}
+
+/// Whether the tool call `call_id` answered after `before` was a `read_output` call: the
+/// nearest assistant message that made a call with that id says.
+fn issued_by_read_output(before: &[Message], call_id: &str) -> bool {
+    before
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            Message::Assistant { tool_calls, .. } => tool_calls
+                .iter()
+                .find(|c| c.id == call_id)
+                .map(|c| c.name == crate::run::read_output::READ_OUTPUT_TOOL),
+            _ => None,
+        })
+        .unwrap_or(false)
 }
 
 impl RunState {
@@ -462,42 +481,30 @@ impl RunState {
     /// only its first `keep` bytes (cut on a character boundary, as the context builder cuts
     /// it) and records its whole length in `trimmed_outputs`, so a run's memory holds what
     /// the model is shown, not every output whole. Messages from `stored` on are not touched
-    /// (they are not in the store yet). Pure; returns the bytes given back.
+    /// (they are not in the store yet), nor are `read_output`'s pages (shown whole). Each
+    /// message is looked at once (`trim_checked`), so a commit's cost does not grow with the
+    /// run. Pure; returns the bytes given back.
     pub fn trim_stored_outputs(&mut self, stored: usize, keep: usize) -> usize {
         let stored = stored.min(self.messages.len());
-        let long = |m: &Message| matches!(m, Message::Tool { content, .. } if content.len() > keep);
-        if !self.messages[..stored].iter().any(long) {
-            return 0;
-        }
-        // Pages `read_output` answered are shown whole (the context builder never cuts them),
-        // so they are kept whole.
-        let pages: std::collections::HashSet<String> = self
-            .messages
-            .iter()
-            .filter_map(|m| match m {
-                Message::Assistant { tool_calls, .. } => Some(tool_calls),
-                _ => None,
-            })
-            .flatten()
-            .filter(|c| c.name == crate::run::read_output::READ_OUTPUT_TOOL)
-            .map(|c| c.id.clone())
-            .collect();
         let mut freed = 0;
-        for (i, m) in self.messages[..stored].iter_mut().enumerate() {
-            if let Message::Tool { call_id, content } = m
-                && content.len() > keep
-                && !pages.contains(call_id.as_str())
-            {
-                let mut cut = keep;
-                while cut > 0 && !content.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                self.trimmed_outputs.insert(i, content.len());
-                freed += content.len() - cut;
-                content.truncate(cut);
-                content.shrink_to_fit();
+        for i in self.trim_checked.min(stored)..stored {
+            let (before, rest) = self.messages.split_at_mut(i);
+            let Message::Tool { call_id, content } = &mut rest[0] else {
+                continue;
+            };
+            if content.len() <= keep || issued_by_read_output(before, call_id) {
+                continue;
             }
+            let mut cut = keep;
+            while cut > 0 && !content.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.trimmed_outputs.insert(i, content.len());
+            freed += content.len() - cut;
+            content.truncate(cut);
+            content.shrink_to_fit();
         }
+        self.trim_checked = self.trim_checked.max(stored);
         freed
     }
 
@@ -556,6 +563,7 @@ impl RunState {
             updated_at_ms: now_ms,
             version: 1,
             trimmed_outputs: Default::default(),
+            trim_checked: 0,
         }
     }
 
