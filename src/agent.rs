@@ -350,6 +350,17 @@ mod tests {
         run
     }
 
+    /// Bytes of tool output the run holds in memory.
+    fn tool_bytes(run: &RunState) -> usize {
+        run.messages
+            .iter()
+            .map(|m| match m {
+                Message::Tool { content, .. } => content.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// A run that keeps its stored outputs only as far as the context shows them gives the
     /// model exactly the context the whole outputs would: the same cut, the same note with
     /// the whole length and the pointer, condensed turns alike, and `read_output` pages whole.
@@ -385,27 +396,13 @@ mod tests {
                 });
             }
             let whole = agent.context(&run);
-            let before: usize = run
-                .messages
-                .iter()
-                .map(|m| match m {
-                    Message::Tool { content, .. } => content.len(),
-                    _ => 0,
-                })
-                .sum();
+            let before = tool_bytes(&run);
             // Only what is stored is trimmed: the newest two messages are not yet.
             let stored = run.messages.len() - 2;
             let freed = run.trim_stored_outputs(stored, 100);
             assert!(freed > 0 && !run.trimmed_outputs.is_empty());
             assert!(run.trimmed_outputs.keys().all(|&i| i < stored));
-            let after: usize = run
-                .messages
-                .iter()
-                .map(|m| match m {
-                    Message::Tool { content, .. } => content.len(),
-                    _ => 0,
-                })
-                .sum();
+            let after = tool_bytes(&run);
             assert_eq!(before - after, freed);
             assert_eq!(agent.context(&run), whole, "multibyte: {keep_multibyte}");
             // Trimming again changes nothing; the read_output page (c11) is never trimmed.
