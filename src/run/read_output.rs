@@ -44,21 +44,6 @@ pub fn parameters() -> Value {
     })
 }
 
-/// One page of the output of call `call_id` in `messages` (the run's transcript): the newest
-/// tool message answering that call id. `offset` counts bytes of the output as stored (the
-/// result envelope the model was given), and pages end on character boundaries. A `run_id`
-/// other than `own_run` is refused: references are valid only inside the run that holds them.
-/// Every message must hold its whole output (see [`lookup`] for a run that trims them).
-pub fn read(messages: &[Message], own_run: &RunId, arguments: &Value) -> ToolResult {
-    match lookup(messages, &BTreeMap::new(), own_run, arguments) {
-        Lookup::Answered(result) => result,
-        Lookup::Stored { .. } => ToolResult::failure(ToolError::new(
-            ToolErrorCode::Failed,
-            "the output is kept only in the store",
-        )),
-    }
-}
-
 /// Where the page a call asks for comes from.
 #[derive(Debug)]
 pub enum Lookup {
@@ -78,9 +63,13 @@ pub enum Lookup {
     },
 }
 
-/// [`read`] for a run whose messages may keep only the head of an output: `trimmed` maps
-/// such a message's index to its whole length (`RunState::trimmed_outputs`), and its pages
-/// are read from the store.
+/// The page of the output of call `call_id` that a `read_output` call asks for, from
+/// `messages` (the run's transcript): the newest tool message answering that call id.
+/// `offset` counts bytes of the output as stored (the result envelope the model was given),
+/// and pages end on character boundaries. A `run_id` other than `own_run` is refused:
+/// references are valid only inside the run that holds them. `trimmed` maps a message that
+/// keeps only the head of its output to the output's whole length
+/// (`RunState::trimmed_outputs`); such an output's pages are read from the store.
 pub fn lookup(
     messages: &[Message],
     trimmed: &BTreeMap<usize, usize>,
@@ -206,6 +195,14 @@ mod tests {
 
     fn run() -> RunId {
         "run_0193a1b2c3d4e5f60718293a4b5c6d7e".parse().unwrap()
+    }
+
+    /// A page from messages that hold their outputs whole.
+    fn read(messages: &[Message], own_run: &RunId, arguments: &Value) -> ToolResult {
+        match lookup(messages, &BTreeMap::new(), own_run, arguments) {
+            Lookup::Answered(result) => result,
+            other => panic!("nothing is trimmed, yet {other:?}"),
+        }
     }
 
     fn transcript(call_id: &str, content: &str) -> Vec<Message> {

@@ -268,6 +268,25 @@ pub fn assert_error(status: StatusCode, body: &Value, want: StatusCode, code: &s
     assert!(body["error"]["message"].is_string(), "{body}");
 }
 
+/// The start of a one-tenant configuration (tenant `alpha`, token [`ALPHA`], memory store, any
+/// free port): a test appends its models, tools and agents.
+pub fn alpha_on_memory() -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+shutdown_timeout = "5s"
+
+[store]
+url = "memory:"
+
+[[tenants]]
+id = "alpha"
+tokens = ["{ALPHA}"]
+"#
+    )
+}
+
 /// The test configuration for a daemon in another process (no native `charge` tool there).
 pub fn file_config() -> String {
     CONFIG.replace(r#"tools = ["charge"]"#, r#"tools = ["add"]"#)

@@ -9,23 +9,12 @@ use agentd::config::Config;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::daemon_support::{ALPHA, TestDaemon};
+use crate::daemon_support::{ALPHA, TestDaemon, alpha_on_memory};
 use crate::fakes::{FakeOpenAi, Scripted, ToolBehavior, ToolServer};
 
 fn config(model: &FakeOpenAi, tools: &ToolServer) -> Config {
     let text = format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_timeout = "5s"
-
-[store]
-url = "memory:"
-
-[[tenants]]
-id = "alpha"
-tokens = ["{ALPHA}"]
-
+        r#"{header}
 [models.fake]
 kind = "openai"
 base_url = "{model_url}"
@@ -47,6 +36,7 @@ tools = ["report"]
 max_turns = 12
 context_tool_output_bytes = 8192
 "#,
+        header = alpha_on_memory(),
         model_url = model.url(),
         tool_url = tools.tool_url(),
     );
@@ -200,18 +190,7 @@ async fn a_scripted_run_keeps_its_place_after_older_turns_are_condensed() {
         .chain([r#"{ text = "done" }"#.to_owned()])
         .collect();
     let text = format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_timeout = "5s"
-
-[store]
-url = "memory:"
-
-[[tenants]]
-id = "alpha"
-tokens = ["{ALPHA}"]
-
+        r#"{}
 [models.long]
 kind = "scripted"
 replies = [
@@ -228,6 +207,7 @@ tools = ["echo"]
 max_turns = 20
 context_tokens = 600
 "#,
+        alpha_on_memory(),
         replies.join(",\n")
     );
     let d = TestDaemon::start_config(Config::from_toml(&text).unwrap()).await;
