@@ -115,9 +115,10 @@ pub struct DecisionRequest {
     /// Why, at most 4096 bytes; with `fail`, it goes into the run error's message.
     #[serde(default)]
     pub reason: Option<String>,
-    /// Approve with edited arguments (validated again); refused with any other decision.
+    /// Approve with edited arguments, a JSON object (validated again against the tool's
+    /// schema); refused with any other decision. Any other JSON type is `invalid_request`.
     #[serde(default)]
-    pub arguments: Option<Value>,
+    pub arguments: Option<serde_json::Map<String, Value>>,
 }
 
 /// `POST /v1/runs/{id}/input`.

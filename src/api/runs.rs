@@ -461,7 +461,7 @@ pub async fn decide(
                     &id,
                     &call_id,
                     approve,
-                    req.arguments,
+                    req.arguments.map(Value::Object),
                     req.reason,
                     by,
                 )

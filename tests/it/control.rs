@@ -154,6 +154,18 @@ async fn reject_unknown_calls_and_bad_decisions() {
         )
         .await;
     assert_error(s, &b, StatusCode::UNPROCESSABLE_ENTITY, "invalid_argument");
+    // Edited arguments are an object: a number, string or list is the wrong shape, even
+    // for a tool whose schema would take any object.
+    for not_an_object in [json!(0.0), json!("x"), json!([1]), json!(true)] {
+        let (s, b) = d
+            .post(
+                &format!("/v1/runs/{id}/approvals/call_1_0"),
+                ALPHA,
+                json!({"decision": "approve", "arguments": not_an_object}),
+            )
+            .await;
+        assert_error(s, &b, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request");
+    }
     let before = d.get(&format!("/v1/runs/{id}"), ALPHA).await.1;
     assert_eq!(
         before["status"], "waiting_approval",
