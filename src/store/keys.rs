@@ -11,7 +11,7 @@
 //! | key | type | holds |
 //! |---|---|---|
 //! | `<ns>:{run:<id>}:ckpt` | hash | `v` version, `body` the run's state (its format's JSON), `meta` tenant, agent and creation time (written once, by the create), `u` update time, `seq` last event seq, `tl` transcript length, `status`, `terminal`, `fence` current lease token, `tokens` last issued token (a record of the first layout has `doc`, the whole checkpoint as JSON, instead of `body`, `meta` and `u`, until its next load rewrites it) |
-//! | `<ns>:{run:<id>}:events` | stream | one entry per event, id `<seq>-0`, field `e` = event JSON |
+//! | `<ns>:{run:<id>}:events` | stream | one entry per commit, id `<seq of its last event>-0`, field `e` once per event (event JSON, in seq order); entries written before this layout hold one event each, which reads the same |
 //! | `<ns>:{run:<id>}:transcript` | list | the run's transcript, one message JSON per entry, append-only; the checkpoint body records its length |
 //! | `<ns>:{run:<id>}:controls` | list | control inbox; position + 1 is the seq |
 //! | `<ns>:{run:<id>}:lease` | hash (PX ttl) | `owner`, `token` of the live lease |

@@ -130,8 +130,12 @@ for i = 1, n do
 end
 local llen = redis.call('LLEN', KEYS[3])
 if llen ~= 0 then return {6, tostring(llen)} end
-for i = 1, n do
-  redis.call('XADD', KEYS[2], ARGV[6 + 2 * i] .. '-0', 'e', ARGV[7 + 2 * i])
+-- The create's events in one stream entry (the id is its last event's seq).
+for i = 1, n, 500 do
+  local last = math.min(i + 499, n)
+  local x = {'XADD', KEYS[2], ARGV[6 + 2 * last] .. '-0'}
+  for j = i, last do x[#x + 1] = 'e'; x[#x + 1] = ARGV[7 + 2 * j] end
+  redis.call(unpack(x))
 end
 local m = tonumber(ARGV[8 + 2 * n])
 -- One RPUSH per chunk (unpack is bounded by Lua's stack).
@@ -174,8 +178,13 @@ end
 -- The transcript continues where it ends, or the write is torn.
 local llen = tonumber(h[5]) or redis.call('LLEN', KEYS[3])
 if llen ~= tonumber(ARGV[9 + 2 * n]) then return {6, tostring(llen)} end
-for i = 1, n do
-  redis.call('XADD', KEYS[2], ARGV[7 + 2 * i] .. '-0', 'e', ARGV[8 + 2 * i])
+-- A commit's events in one stream entry, id its last event's seq: one command per commit
+-- however many transitions it carries (chunks of 500 events stay within Lua's stack).
+for i = 1, n, 500 do
+  local last = math.min(i + 499, n)
+  local x = {'XADD', KEYS[2], ARGV[7 + 2 * last] .. '-0'}
+  for j = i, last do x[#x + 1] = 'e'; x[#x + 1] = ARGV[8 + 2 * j] end
+  redis.call(unpack(x))
 end
 local m = tonumber(ARGV[10 + 2 * n])
 for i = 1, m, 500 do
@@ -433,6 +442,22 @@ impl Answer {
 }
 
 /// What the store and its group committer share.
+/// Commands as [`Core::send`] sent them, for a resend.
+enum Sent {
+    Pipeline(::redis::Pipeline),
+    Commands(Vec<Cmd>),
+}
+
+impl Sent {
+    /// A copy of the `i`-th command sent.
+    fn command(&self, i: usize) -> Option<Cmd> {
+        match self {
+            Sent::Pipeline(p) => p.cmd_iter().nth(i).cloned(),
+            Sent::Commands(c) => c.get(i).cloned(),
+        }
+    }
+}
+
 struct Core {
     con: Conn,
     keys: Keys,
@@ -613,9 +638,16 @@ impl Core {
     /// Sends independent commands in one round trip: one pipeline on a single server; on a
     /// cluster, all at once over the per-node connections (commands of different slots cannot
     /// share a cluster pipeline). Each command answers for itself.
-    async fn exec_many(&self, what: &str, cmds: &[Cmd]) -> Result<Vec<Answer>> {
+    async fn exec_many(&self, what: &str, cmds: Vec<Cmd>) -> Result<Vec<Answer>> {
+        Ok(self.send(what, cmds).await?.0)
+    }
+
+    /// [`Core::exec_many`], keeping what was sent: the commands are moved into the pipeline,
+    /// not copied (a commit's carries its body and new transcript entries), and only a resend
+    /// copies the ones it needs back out.
+    async fn send(&self, what: &str, cmds: Vec<Cmd>) -> Result<(Vec<Answer>, Sent)> {
         if cmds.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Sent::Commands(cmds)));
         }
         if let Conn::Cluster(c) = &self.con {
             let all = futures::future::join_all(cmds.iter().map(|cmd| {
@@ -623,25 +655,31 @@ impl Core {
                 async move { c.req_packed_command(cmd).await }
             }));
             return match tokio::time::timeout(self.cfg.op_timeout, all).await {
-                Ok(results) => Ok(results.into_iter().map(Answer::of_result).collect()),
+                Ok(results) => Ok((
+                    results.into_iter().map(Answer::of_result).collect(),
+                    Sent::Commands(cmds),
+                )),
                 Err(_) => Err(timed_out(what, self.cfg.op_timeout)),
             };
         }
-        let mut pipe = ::redis::pipe();
+        let mut pipe = ::redis::Pipeline::with_capacity(cmds.len());
         pipe.ignore_errors();
         for c in cmds {
-            pipe.add_command(c.clone());
+            pipe.add_command(c);
         }
         let mut con = self.con.clone();
         let values: Vec<Value> = self.bounded(what, pipe.query_async(&mut con)).await?;
-        Ok(values.into_iter().map(Answer::of_value).collect())
+        Ok((
+            values.into_iter().map(Answer::of_value).collect(),
+            Sent::Pipeline(pipe),
+        ))
     }
 
     /// [`Core::exec_many`], and if a script was missing (Redis restarted and lost its script
     /// cache) loads the scripts and resends those commands once. Resending is safe: an applied
     /// create or commit is recognised as a replay, and the other scripts are idempotent.
-    async fn exec_scripts(&self, what: &str, cmds: &[Cmd]) -> Result<Vec<Answer>> {
-        let mut answers = self.exec_many(what, cmds).await?;
+    async fn exec_scripts(&self, what: &str, cmds: Vec<Cmd>) -> Result<Vec<Answer>> {
+        let (mut answers, sent) = self.send(what, cmds).await?;
         let missing: Vec<usize> = answers
             .iter()
             .enumerate()
@@ -652,8 +690,8 @@ impl Core {
             return Ok(answers);
         }
         self.load_scripts().await?;
-        let again: Vec<Cmd> = missing.iter().map(|&i| cmds[i].clone()).collect();
-        let resent = self.exec_many(what, &again).await?;
+        let again: Vec<Cmd> = missing.iter().filter_map(|&i| sent.command(i)).collect();
+        let resent = self.exec_many(what, again).await?;
         for (i, a) in missing.into_iter().zip(resent) {
             answers[i] = a;
         }
@@ -665,10 +703,10 @@ impl Core {
     /// `first` stops before `then`.
     async fn exec_ordered(&self, what: &str, first: Vec<Cmd>, then: Cmd) -> Result<Answer> {
         if self.is_cluster() {
-            for a in self.exec_many(what, &first).await? {
+            for a in self.exec_many(what, first).await? {
                 a.value(what)?;
             }
-            let mut last = self.exec_scripts(what, &[then]).await?;
+            let mut last = self.exec_scripts(what, vec![then]).await?;
             return last
                 .pop()
                 .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")));
@@ -676,7 +714,7 @@ impl Core {
         let n = first.len();
         let mut all = first;
         all.push(then);
-        let mut answers = self.exec_scripts(what, &all).await?;
+        let mut answers = self.exec_scripts(what, all).await?;
         let last = answers
             .pop()
             .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")))?;
@@ -706,7 +744,7 @@ impl Core {
         let mut zrem = ::redis::cmd("ZREM");
         zrem.arg(self.keys.due()).arg(&ids);
         let what = "removing finished runs from the indexes";
-        let ok = match self.exec_many(what, &[srem, zrem]).await {
+        let ok = match self.exec_many(what, vec![srem, zrem]).await {
             Ok(answers) => answers.into_iter().all(|a| a.value(what).is_ok()),
             Err(_) => false,
         };
@@ -723,25 +761,24 @@ impl Core {
         // Index writes first, then the scripts, in one pipeline: one round trip per batch.
         // The commands are moved out of the jobs, not copied (a script carries the body and
         // the new transcript entries).
-        let firsts: Vec<(usize, Cmd)> = batch
+        let (firsts, mut cmds): (Vec<usize>, Vec<Cmd>) = batch
             .iter_mut()
             .enumerate()
             .filter_map(|(i, j)| j.index_first.take().map(|c| (i, c)))
-            .collect();
-        let mut cmds: Vec<Cmd> = firsts.iter().map(|(_, c)| c.clone()).collect();
+            .unzip();
         cmds.extend(
             batch
                 .iter_mut()
                 .map(|j| std::mem::replace(&mut j.cmd, Cmd::new())),
         );
-        match self.exec_scripts("committing", &cmds).await {
+        match self.exec_scripts("committing", cmds).await {
             Ok(mut answers) => {
                 let scripts = answers.split_off(firsts.len());
                 // The script ran anyway; a failed index write is reported so that the caller
                 // retries, which replays the commit and writes the index again.
                 let mut index_failed = vec![false; batch.len()];
-                for ((i, _), a) in firsts.iter().zip(answers) {
-                    index_failed[*i] = a.value("indexing a run by status").is_err();
+                for (&i, a) in firsts.iter().zip(answers) {
+                    index_failed[i] = a.value("indexing a run by status").is_err();
                 }
                 let answers = scripts;
                 // The status indexes the committed runs left (the script answers the status
@@ -772,7 +809,7 @@ impl Core {
                     .collect();
                 if !left.is_empty() {
                     let what = "moving committed runs between status indexes";
-                    if self.exec_many(what, &left).await.is_err() {
+                    if self.exec_many(what, left).await.is_err() {
                         tracing::debug!("redis store: stale status-index entries stay until read");
                     }
                 }
@@ -808,7 +845,7 @@ impl Core {
                 c
             })
             .collect();
-        let answers = self.exec_many(what, &cmds).await?;
+        let answers = self.exec_many(what, cmds).await?;
         let now = now_ms();
         let (mut live, mut stale) = (Vec::new(), Vec::new());
         for (run, a) in ids.into_iter().zip(answers) {
@@ -968,7 +1005,7 @@ impl RedisStore {
                 let runs: Vec<RunId> = ids.iter().filter_map(|id| id.parse().ok()).collect();
                 let reads: Vec<Cmd> = runs.iter().map(|r| self.record_read(r)).collect();
                 let mut adds: std::collections::HashMap<String, Vec<&str>> = Default::default();
-                for (r, a) in runs.iter().zip(self.core.exec_many(what, &reads).await?) {
+                for (r, a) in runs.iter().zip(self.core.exec_many(what, reads).await?) {
                     let fields: Vec<Option<String>> = ::redis::from_redis_value(a.value(what)?)
                         .map_err(|e| corrupt(r, "reading the checkpoint", e))?;
                     let Ok(Some((c, _))) = Self::decode_record(r, fields) else {
@@ -993,7 +1030,7 @@ impl RedisStore {
                         c
                     })
                     .collect();
-                for a in self.core.exec_many(what, &writes).await? {
+                for a in self.core.exec_many(what, writes).await? {
                     a.value(what)?;
                 }
                 if ids.len() < 500 {
@@ -1348,7 +1385,7 @@ impl CheckpointStore for RedisStore {
         );
         let answer = self
             .core
-            .exec_scripts(&what, &[cmd])
+            .exec_scripts(&what, vec![cmd])
             .await?
             .pop()
             .ok_or_else(|| Error::Corrupt(format!("{what}: empty reply")))?;
@@ -1530,7 +1567,7 @@ impl CheckpointStore for RedisStore {
         let runs: Vec<&RunId> = leases.iter().map(|l| &l.run_id).collect();
         cmds.push(self.due_cmd(&runs, Some(due_in(ttl))));
         let what = format!("renewing {} leases", leases.len());
-        let mut answers = self.core.exec_scripts(&what, &cmds).await?;
+        let mut answers = self.core.exec_scripts(&what, cmds).await?;
         if let Some(due) = answers.pop() {
             due.value(&what)?;
         }
@@ -1567,7 +1604,7 @@ impl CheckpointStore for RedisStore {
             })
             .collect();
         let what = format!("releasing {} leases", leases.len());
-        let answers = self.core.exec_scripts(&what, &cmds).await?;
+        let answers = self.core.exec_scripts(&what, cmds).await?;
         let mut released = Vec::new();
         for (l, a) in leases.iter().zip(answers) {
             if a.reply(&what)?.1 == "1" {
@@ -1833,7 +1870,7 @@ impl CheckpointStore for RedisStore {
                 }
             }
             let cmds: Vec<Cmd> = runs.iter().map(|r| self.record_read(r)).collect();
-            let answers = self.core.exec_many(what, &cmds).await?;
+            let answers = self.core.exec_many(what, cmds).await?;
             let now = now_ms();
             for (r, a) in runs.iter().zip(answers) {
                 let fields: Vec<Option<String>> = ::redis::from_redis_value(a.value(what)?)
@@ -1967,17 +2004,27 @@ impl EventLog for RedisStore {
                     .arg(limit),
             )
             .await?;
-        entries
-            .into_iter()
-            .map(|(id, fields)| {
-                let json = fields
-                    .chunks(2)
-                    .find(|kv| kv.first().is_some_and(|k| k == "e"))
-                    .and_then(|kv| kv.get(1))
-                    .ok_or_else(|| corrupt(run, "event entry without payload", &id))?;
-                serde_json::from_str(json).map_err(|e| corrupt(run, "decoding event", e))
-            })
-            .collect()
+        // An entry holds the events of one commit (field `e` once per event, in order) and is
+        // named after the last of them, so the first entry may begin at or before `after`.
+        let mut events = Vec::new();
+        for (id, fields) in entries {
+            let mut payloads = fields
+                .chunks(2)
+                .filter(|kv| kv.first().is_some_and(|k| k == "e"))
+                .filter_map(|kv| kv.get(1))
+                .peekable();
+            if payloads.peek().is_none() {
+                return Err(corrupt(run, "event entry without payload", &id));
+            }
+            for json in payloads {
+                let event: EventRecord =
+                    serde_json::from_str(json).map_err(|e| corrupt(run, "decoding event", e))?;
+                if event.seq > after && events.len() < limit {
+                    events.push(event);
+                }
+            }
+        }
+        Ok(events)
     }
 }
 

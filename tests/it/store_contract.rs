@@ -291,6 +291,41 @@ async fn read_after_and_limit(s: &dyn Store) {
     assert_eq!(s.read(&run, 1, 1).await.unwrap(), vec![ev(2)]);
 }
 
+/// Commits carrying several events (a commit window's transitions, a create with two) read
+/// back event by event: a cursor inside one commit's events, and a limit that cuts one, give
+/// exactly the events after the cursor, in order.
+async fn reads_split_commits_of_several_events(s: &dyn Store) {
+    let run = RunId::generate();
+    s.create(&ckpt(&run, "t1", 2), &[ev(1), ev(2)], None)
+        .await
+        .unwrap();
+    let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+    let mut c = s.load(&run).await.unwrap().unwrap();
+    for n in [3u64, 1, 4] {
+        let mut next = c.clone();
+        next.version += n;
+        let events: Vec<_> = (c.version + 1..=next.version).map(ev).collect();
+        s.commit(&lease, &next, c.version, &events).await.unwrap();
+        c = next;
+    }
+    let seqs = |v: Vec<agentd::store::EventRecord>| v.iter().map(|e| e.seq).collect::<Vec<_>>();
+    assert_eq!(
+        seqs(s.read(&run, 0, 100).await.unwrap()),
+        (1..=10).collect::<Vec<_>>()
+    );
+    for after in 0..=10u64 {
+        for limit in 1..=4usize {
+            let want: Vec<u64> = (after + 1..=10).take(limit).collect();
+            assert_eq!(
+                seqs(s.read(&run, after, limit).await.unwrap()),
+                want,
+                "after {after}, limit {limit}"
+            );
+        }
+    }
+    assert_eq!(s.read(&run, 3, 1).await.unwrap(), vec![ev(4)]);
+}
+
 async fn active_index_follows_terminal(s: &dyn Store) {
     let [a, b, done] = <[RunId; 3]>::try_from(ids(3)).unwrap();
     for r in [&a, &b] {
@@ -1067,6 +1102,7 @@ macro_rules! contract {
 
 contract!(
     create_and_idempotent_create,
+    reads_split_commits_of_several_events,
     commit_is_compare_and_set,
     fencing,
     event_seq_is_gap_free,
