@@ -1130,8 +1130,9 @@ struct Uncommitted {
 
 /// Whether a transition may wait for the next one to be committed with it: it asks only for
 /// read-only tool calls to be sent (no intent has to be durable before a call that may be
-/// repeated freely), so a crash before the commit loses only the model reply, which the
-/// resumed run asks for again. Every other effect waits for its transition to be stored.
+/// repeated freely) or for a candidate answer to be verified (the verifiers run in this
+/// process and touch nothing), so a crash before the commit loses only the model reply, which
+/// the resumed run asks for again. Every other effect waits for its transition to be stored.
 fn may_wait_for_next(effects: &[Effect], run: &RunState) -> bool {
     !effects.is_empty()
         && effects.iter().all(|e| match e {
@@ -1139,6 +1140,7 @@ fn may_wait_for_next(effects: &[Effect], run: &RunState) -> bool {
                 c.effect == crate::tool::ToolEffect::Read
                     && c.status == crate::run::state::CallStatus::Dispatched
             }),
+            Effect::Verify { .. } => true,
             _ => false,
         })
 }

@@ -51,8 +51,8 @@ async fn stored_log(h: &Harness, id: &RunId) -> Vec<String> {
 }
 
 /// With a window long enough for the echo tool, each step's reply and result land in one
-/// commit: the run commits once per step, not twice, and its log is the same, gap-free,
-/// with every event.
+/// commit, and the final answer in one with its verdict: the run commits once per step, not
+/// twice, and its log is the same, gap-free, with every event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_step_is_committed_once_with_its_result() {
     for window in [Some(Duration::from_secs(30)), None] {
@@ -74,8 +74,9 @@ async fn a_read_only_step_is_committed_once_with_its_result() {
         let commits = metrics.commits.load(Ordering::SeqCst);
         assert_eq!(transitions, log.len() as u64 - 1, "{log:?}");
         match window {
-            // The three dispatches waited for their results.
-            Some(_) => assert_eq!(commits, transitions - 3, "{log:?}"),
+            // The three dispatches waited for their results, and the final answer for its
+            // verdict.
+            Some(_) => assert_eq!(commits, transitions - 4, "{log:?}"),
             None => assert_eq!(commits, transitions, "{log:?}"),
         }
         h.shutdown().await;
