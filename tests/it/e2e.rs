@@ -13,7 +13,7 @@ use futures::StreamExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::daemon_support::{ALPHA, TestDaemon};
+use crate::daemon_support::{ALPHA, TestDaemon, alpha_on_memory};
 use crate::fakes::{FakeOpenAi, RecordedRequest, Scripted, ToolBehavior, ToolServer};
 
 const INSTRUCTIONS: &str = "You operate services. Use the tools.";
@@ -28,18 +28,9 @@ const PATTERN_CANARY: &str = "sk-patterncanary0123456789ABCDEF";
 /// reconcilable) and `deploy` (approval when `env` is `prod`), and `delete_all`, registered
 /// but on no agent's allow-list.
 fn config_text(model: &FakeOpenAi, tools: &ToolServer) -> String {
+    let header = alpha_on_memory();
     format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_timeout = "5s"
-
-[store]
-url = "memory:"
-
-[[tenants]]
-id = "alpha"
-tokens = ["{ALPHA}"]
+        r#"{header}
 
 [runtime]
 model_timeout = "5s"

@@ -10,23 +10,14 @@ use agentd::config::Config;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::daemon_support::{ALPHA, TestDaemon};
+use crate::daemon_support::{ALPHA, TestDaemon, alpha_on_memory};
 use crate::fakes::{FakeOpenAi, Scripted, ToolBehavior, ToolServer};
 
 /// Model `fake` (openai kind, bounded generations) and the read tool `lookup`.
 fn config_text(model: &FakeOpenAi, tools: &ToolServer) -> String {
+    let header = alpha_on_memory();
     format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_timeout = "5s"
-
-[store]
-url = "memory:"
-
-[[tenants]]
-id = "alpha"
-tokens = ["{ALPHA}"]
+        r#"{header}
 
 [runtime]
 model_timeout = "5s"

@@ -9,7 +9,7 @@ use agentd::config::Config;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::daemon_support::{ALPHA, TestDaemon, assert_error};
+use crate::daemon_support::{ALPHA, TestDaemon, alpha_on_memory, assert_error};
 use crate::fakes::{FakeOpenAi, Scripted, ToolBehavior, ToolServer};
 
 /// A configured secret (`[secrets] values`).
@@ -211,18 +211,9 @@ async fn an_oversized_output_leaks_neither_a_secret_nor_a_password_anywhere() {
 /// native `charge` (after its approval), which ignores its cancel token: only the executor's
 /// own check keeps it from running.
 fn queue_config(blocker: &ToolServer, victim: &ToolServer) -> Config {
+    let header = alpha_on_memory();
     let text = format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_timeout = "5s"
-
-[store]
-url = "memory:"
-
-[[tenants]]
-id = "alpha"
-tokens = ["{ALPHA}"]
+        r#"{header}
 
 [runtime]
 tool_workers = 1

@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
 use serde_json::{Value, json};
 
-use crate::daemon_support::{ALPHA, TestDaemon};
+use crate::daemon_support::{ALPHA, TestDaemon, alpha_on_memory};
 
 /// The model name the recipe's server answers to (`--model_alias`).
 const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -103,18 +103,9 @@ async fn weather(State(rec): State<Arc<Recorder>>, body: Bytes) -> Response {
 }
 
 fn config(model_url: &str, model: &str, tool_url: &str) -> String {
+    let header = alpha_on_memory();
     format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-shutdown_timeout = "5s"
-
-[store]
-url = "memory:"
-
-[[tenants]]
-id = "alpha"
-tokens = ["{ALPHA}"]
+        r#"{header}
 
 [models.real]
 kind = "openai"
