@@ -441,7 +441,6 @@ impl Answer {
     }
 }
 
-/// What the store and its group committer share.
 /// Commands as [`Core::send`] sent them, for a resend.
 enum Sent {
     Pipeline(::redis::Pipeline),
@@ -458,6 +457,7 @@ impl Sent {
     }
 }
 
+/// What the store and its group committer share.
 struct Core {
     con: Conn,
     keys: Keys,
@@ -690,9 +690,12 @@ impl Core {
             return Ok(answers);
         }
         self.load_scripts().await?;
-        let again: Vec<Cmd> = missing.iter().filter_map(|&i| sent.command(i)).collect();
+        let (at, again): (Vec<usize>, Vec<Cmd>) = missing
+            .into_iter()
+            .filter_map(|i| sent.command(i).map(|c| (i, c)))
+            .unzip();
         let resent = self.exec_many(what, again).await?;
-        for (i, a) in missing.into_iter().zip(resent) {
+        for (i, a) in at.into_iter().zip(resent) {
             answers[i] = a;
         }
         Ok(answers)
