@@ -1162,6 +1162,71 @@ async fn factory_opens_each_kind() {
     assert!(err.contains("namespace"), "{err}");
 }
 
+/// Commits that must be refused (fenced, stale, a gap, a run never created) sent at the same
+/// moment as good ones, so that they share group-commit batches: each caller gets its own
+/// answer, and the good commits are stored whole.
+async fn rejected_commits_do_not_disturb_their_batch<S: Store + 'static>(s: Arc<S>) {
+    let mut leased = Vec::new();
+    for _ in 0..100 {
+        let run = created(&*s, "t1").await;
+        let lease = s.claim(&run, "node-a", TTL).await.unwrap();
+        leased.push((run, lease));
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for (run, lease) in &leased {
+        let good = ckpt(run, "t1", 2);
+        let fenced = Lease {
+            token: lease.token + 100,
+            ..lease.clone()
+        };
+        let mut bad = ckpt(run, "t1", 3);
+        bad.body = "{\"bad\":true}".into();
+        let ghost = RunId::generate();
+        let jobs: [(&str, Lease, Checkpoint, u64, Vec<_>); 5] = [
+            ("good", lease.clone(), good, 1, vec![ev(2)]),
+            ("fenced", fenced, bad.clone(), 1, vec![ev(2)]),
+            ("stale", lease.clone(), bad.clone(), 0, vec![ev(1)]),
+            ("gap", lease.clone(), bad.clone(), 1, vec![ev(3)]),
+            (
+                "ghost",
+                lease.clone(),
+                ckpt(&ghost, "t1", 2),
+                1,
+                vec![ev(2)],
+            ),
+        ];
+        for (kind, l, c, expected, events) in jobs {
+            let s = s.clone();
+            tasks.spawn(async move { (kind, s.commit(&l, &c, expected, &events).await) });
+        }
+    }
+    for (kind, r) in tasks.join_all().await {
+        match kind {
+            "good" => assert_eq!(r, Ok(())),
+            "fenced" => assert!(matches!(r, Err(Error::Fenced { .. })), "{r:?}"),
+            "stale" => assert!(matches!(r, Err(Error::VersionConflict { .. })), "{r:?}"),
+            // Before the good commit the gap is seen, after it the version has moved on.
+            "gap" => assert!(
+                matches!(
+                    r,
+                    Err(Error::SequenceGap { .. } | Error::VersionConflict { .. })
+                ),
+                "{r:?}"
+            ),
+            _ => assert!(
+                matches!(r, Err(Error::NotFound(_) | Error::Fenced { .. })),
+                "{r:?}"
+            ),
+        }
+    }
+    let active: HashSet<RunId> = s.active_runs().await.unwrap().into_iter().collect();
+    for (run, _) in &leased {
+        assert_eq!(s.load(run).await.unwrap(), Some(ckpt(run, "t1", 2)));
+        assert_eq!(s.read(run, 0, 10).await.unwrap(), vec![ev(1), ev(2)]);
+        assert!(active.contains(run));
+    }
+}
+
 mod file_store {
     use super::*;
     use agentd::store::file::FileStore;
@@ -1250,65 +1315,7 @@ mod file_store {
     async fn rejected_commits_do_not_disturb_their_batch() {
         let dir = tempfile::tempdir().unwrap();
         let s = Arc::new(FileStore::open(dir.path()).await.unwrap());
-        let mut leased = Vec::new();
-        for _ in 0..100 {
-            let run = created(&*s, "t1").await;
-            let lease = s.claim(&run, "node-a", TTL).await.unwrap();
-            leased.push((run, lease));
-        }
-        let mut tasks = tokio::task::JoinSet::new();
-        for (run, lease) in &leased {
-            let good = ckpt(run, "t1", 2);
-            let fenced = Lease {
-                token: lease.token + 100,
-                ..lease.clone()
-            };
-            let mut bad = ckpt(run, "t1", 3);
-            bad.body = "{\"bad\":true}".into();
-            let ghost = RunId::generate();
-            let jobs: [(&str, Lease, Checkpoint, u64, Vec<_>); 5] = [
-                ("good", lease.clone(), good, 1, vec![ev(2)]),
-                ("fenced", fenced, bad.clone(), 1, vec![ev(2)]),
-                ("stale", lease.clone(), bad.clone(), 0, vec![ev(1)]),
-                ("gap", lease.clone(), bad.clone(), 1, vec![ev(3)]),
-                (
-                    "ghost",
-                    lease.clone(),
-                    ckpt(&ghost, "t1", 2),
-                    1,
-                    vec![ev(2)],
-                ),
-            ];
-            for (kind, l, c, expected, events) in jobs {
-                let s = s.clone();
-                tasks.spawn(async move { (kind, s.commit(&l, &c, expected, &events).await) });
-            }
-        }
-        for (kind, r) in tasks.join_all().await {
-            match kind {
-                "good" => assert_eq!(r, Ok(())),
-                "fenced" => assert!(matches!(r, Err(Error::Fenced { .. })), "{r:?}"),
-                "stale" => assert!(matches!(r, Err(Error::VersionConflict { .. })), "{r:?}"),
-                // Before the good commit the gap is seen, after it the version has moved on.
-                "gap" => assert!(
-                    matches!(
-                        r,
-                        Err(Error::SequenceGap { .. } | Error::VersionConflict { .. })
-                    ),
-                    "{r:?}"
-                ),
-                _ => assert!(
-                    matches!(r, Err(Error::NotFound(_) | Error::Fenced { .. })),
-                    "{r:?}"
-                ),
-            }
-        }
-        let active: HashSet<RunId> = s.active_runs().await.unwrap().into_iter().collect();
-        for (run, _) in &leased {
-            assert_eq!(s.load(run).await.unwrap(), Some(ckpt(run, "t1", 2)));
-            assert_eq!(s.read(run, 0, 10).await.unwrap(), vec![ev(1), ev(2)]);
-            assert!(active.contains(run));
-        }
+        super::rejected_commits_do_not_disturb_their_batch(s).await;
     }
 
     /// Creates, claims, releases and controls share the writer with commits and keep their
@@ -1792,6 +1799,16 @@ mod redis_concurrency {
             commits + 1
         );
         rate
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rejected_commits_do_not_disturb_their_batch() {
+        let Some(s) = shared_redis(|c| c).await else {
+            return;
+        };
+        let ns = s.keys().namespace().to_owned();
+        super::rejected_commits_do_not_disturb_their_batch(Arc::new(s)).await;
+        drop_namespace(&ns).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
