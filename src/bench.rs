@@ -143,8 +143,8 @@ pub struct BenchReport {
     pub peak_rss: u64,
     /// State transitions committed by the bench's runtime.
     pub transitions: u64,
-    /// Commits that stored them (fewer when read-only steps were committed with their
-    /// results, `runtime.commit_window`).
+    /// Commits that stored them (fewer when transitions waited in the commit window to be
+    /// committed together, `runtime.commit_window`).
     pub commits: u64,
     /// With `park`: resident memory above the baseline while all runs were parked.
     pub parked_rss: Option<u64>,

@@ -296,8 +296,9 @@ pub struct BenchArgs {
     /// turns (from INFO; other clients of the server count too).
     #[arg(long, default_value_t = 0)]
     pub tool_output_bytes: usize,
-    /// The runtime's commit window (runtime.commit_window): how long a read-only step's reply
-    /// may wait to be committed with its result; 0s commits every transition on its own.
+    /// The runtime's commit window (runtime.commit_window): how long transitions with only
+    /// read-only calls, model calls or a verification to carry out may wait to be committed
+    /// together; 0s commits every transition on its own.
     #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
     pub commit_window: Duration,
 }

@@ -89,8 +89,8 @@ pub struct Metrics {
     pub runs_entered: [AtomicU64; 7],
     /// State transitions committed.
     pub transitions: AtomicU64,
-    /// Checkpoint commits that landed; one may carry several transitions (a read-only
-    /// dispatch committed with its result, `runtime.commit_window`).
+    /// Checkpoint commits that landed; one may carry several transitions (those that waited
+    /// in the commit window, `runtime.commit_window`).
     pub commits: AtomicU64,
     /// Run actors restarted after a crash.
     pub restarts: AtomicU64,

@@ -86,7 +86,7 @@ pub struct RuntimeConfig {
 /// The default of [`RuntimeConfig::commit_window`]: long enough for an in-process or local
 /// read tool to answer also while the tool pool is busy (at 5 ms, a third of the steps of
 /// `agentd bench --runs 1000` missed it), short enough that a crash loses at most that much
-/// of a model reply.
+/// of a run's model replies and read-only results.
 pub const DEFAULT_COMMIT_WINDOW: Duration = Duration::from_millis(20);
 
 impl Default for RuntimeConfig {

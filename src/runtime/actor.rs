@@ -64,10 +64,11 @@ pub enum RunMsg {
     Get(RpcReplyPort<RunState>),
     /// After a failed commit: read the checkpoint back and continue from it.
     Reload,
-    /// The commit window of the transition at `version` closed: commit it if it still waits.
+    /// The commit window opened on the stored version `expected_version` closed: commit what
+    /// waits in it, if that window is still open.
     CommitWindowClosed {
-        /// The run's version when the window opened.
-        version: u64,
+        /// The stored version the window's commit expects (it names the window).
+        expected_version: u64,
     },
     /// The store did not answer while the actor was starting: try again.
     RetryBoot,
@@ -219,8 +220,8 @@ pub struct RunDeps {
     pub metrics: Arc<Metrics>,
     /// Stop the actor of a run that has waited for approval or input this long (`None`: never).
     pub passivate_after: Option<Duration>,
-    /// How long a read-only dispatch may wait to be committed with the next transition
-    /// (`None`: never held).
+    /// How long transitions that may wait (`may_wait_in_window`) wait to be committed
+    /// together, from the first (`None`: never held).
     pub commit_window: Option<Duration>,
     /// Non-terminal runs per tenant (for the per-tenant limit); a run leaves it when it ends.
     pub active: dashmap::DashMap<String, std::sync::atomic::AtomicI64>,
@@ -280,8 +281,8 @@ struct Live {
     /// checkpoint has been read back (`RunMsg::Reload`).
     reloading: bool,
     held: Vec<RunMsg>,
-    /// Transitions applied but not committed yet: a read-only dispatch waiting (at most
-    /// `commit_window`) to be committed with the next transition.
+    /// Transitions applied but not committed yet: the open commit window (at most
+    /// `commit_window` from its first transition, at most `MAX_WINDOW_EVENTS`).
     uncommitted: Option<Uncommitted>,
     writer: CheckpointWriter,
     /// Calls whose approval-expiry timer is armed in this incarnation.
@@ -775,8 +776,12 @@ async fn deliver(
             }
             let _ = reply.send(live.run.clone());
         }
-        RunMsg::CommitWindowClosed { version } => {
-            if live.run.version == version && live.uncommitted.is_some() {
+        RunMsg::CommitWindowClosed { expected_version } => {
+            if live
+                .uncommitted
+                .as_ref()
+                .is_some_and(|u| u.expected_version == expected_version)
+            {
                 commit_uncommitted(myself, deps, live).await?;
             }
         }
@@ -877,7 +882,17 @@ async fn drain_inbox(
                 }
             };
             if let Some(t) = transition {
-                match commit_transition(myself, deps, live, t, prev_version, prev_status).await? {
+                match commit_transition(
+                    myself,
+                    deps,
+                    live,
+                    t,
+                    Cause::Control,
+                    prev_version,
+                    prev_status,
+                )
+                .await?
+                {
                     Applied::Done | Applied::Rejected(_) => {}
                     Applied::StoreDown => {
                         // Read back and drain again once the store answers (waiters stay).
@@ -887,6 +902,20 @@ async fn drain_inbox(
                     Applied::LostOwnership => return Ok(()),
                 }
             }
+        }
+    }
+    if !live.waiters.is_empty()
+        && let Some(pending) = live.uncommitted.take()
+    {
+        // A control's requester is answered with what is stored, never with a state still in
+        // the commit window.
+        match commit_pending(myself, deps, live, pending).await? {
+            Applied::Done | Applied::Rejected(_) => {}
+            Applied::StoreDown => {
+                hold(myself, deps, live, Some(RunMsg::Controls { reply: None }));
+                return Ok(());
+            }
+            Applied::LostOwnership => return Ok(()),
         }
     }
     answer_waiters(live);
@@ -1090,6 +1119,7 @@ async fn apply(
 ) -> Result<Applied, ActorProcessingErr> {
     inject_fault(deps, live, &event);
     let (prev_version, prev_status) = (live.run.version, live.run.status);
+    let cause = Cause::of(&event);
     let stepped = {
         let cx = StepContext {
             now_ms: now_ms(),
@@ -1099,7 +1129,7 @@ async fn apply(
         step(&mut live.run, event, &cx)
     };
     match stepped {
-        Ok(t) => commit_transition(myself, deps, live, t, prev_version, prev_status).await,
+        Ok(t) => commit_transition(myself, deps, live, t, cause, prev_version, prev_status).await,
         Err(e) => Ok(Applied::Rejected(e)),
     }
 }
@@ -1117,6 +1147,33 @@ fn inject_fault(deps: &RunDeps, live: &Live, event: &RunEvent) {
     }
 }
 
+/// What a transition answers, as far as the commit window cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// A result of the run's own work: a model reply, a tool result, a verdict. Only these
+    /// may wait in the commit window.
+    Work,
+    /// A start or restart (a restart's count must survive the next crash), a timer, an abort.
+    Lifecycle,
+    /// A client's control: its requester is answered with what is stored.
+    Control,
+}
+
+impl Cause {
+    fn of(event: &RunEvent) -> Cause {
+        match event {
+            RunEvent::ModelReplied { .. }
+            | RunEvent::ToolFinished { .. }
+            | RunEvent::VerificationDone { .. } => Cause::Work,
+            _ => Cause::Lifecycle,
+        }
+    }
+}
+
+/// Most transitions one commit window holds: the next one is committed with them at once, so
+/// a commit stays bounded however fast a run's model and tools answer.
+const MAX_WINDOW_EVENTS: usize = 64;
+
 /// What `commit_transition` holds back: events of transitions applied to `live.run` but not
 /// committed yet, with the version and status the store holds.
 struct Uncommitted {
@@ -1128,33 +1185,48 @@ struct Uncommitted {
     events: Vec<EventRecord>,
 }
 
-/// Whether a transition may wait for the next one to be committed with it: it asks only for
-/// read-only tool calls to be sent (no intent has to be durable before a call that may be
-/// repeated freely) or for a candidate answer to be verified (the verifiers run in this
-/// process and touch nothing), so a crash before the commit loses only the model reply, which
-/// the resumed run asks for again. Every other effect waits for its transition to be stored.
-fn may_wait_for_next(effects: &[Effect], run: &RunState) -> bool {
+/// Whether a message not stored yet holds a tool output longer than the context shows: its
+/// run commits at once, so the output is trimmed in memory (`trim_outputs`) instead of being
+/// held whole for the window.
+fn holds_untrimmed_output(live: &Live) -> bool {
+    let keep = live.agent.spec.context.max_tool_output_bytes;
+    let from = live.writer.stored().min(live.run.messages.len());
+    live.run.messages[from..]
+        .iter()
+        .any(|m| matches!(m, Message::Tool { content, .. } if content.len() > keep))
+}
+
+/// Whether a transition may wait in the commit window, to be committed with the transitions
+/// that follow it: it asks only for read-only tool calls to be sent (no intent has to be
+/// durable before a call that may be repeated freely), for the model to be called (a model
+/// call changes nothing outside the run), or for a candidate answer to be verified (the
+/// verifiers run in this process and touch nothing). So a crash in the window loses only
+/// model replies and read-only results, which the resumed run asks for again from the last
+/// commit. Every other effect (a call that writes, a retry timer, compensation, the end of
+/// the run) waits for its transition, and the window with it, to be stored.
+fn may_wait_in_window(effects: &[Effect], run: &RunState) -> bool {
     !effects.is_empty()
         && effects.iter().all(|e| match e {
             Effect::ExecuteTool { call_id, .. } => run.call(call_id).is_some_and(|c| {
                 c.effect == crate::tool::ToolEffect::Read
                     && c.status == crate::run::state::CallStatus::Dispatched
             }),
-            Effect::Verify { .. } => true,
+            Effect::Verify { .. } | Effect::CallModel { .. } => true,
             _ => false,
         })
 }
 
 /// Commits the state `live.run` reached by `transition` with its one event (and the events of
-/// transitions still waiting), publishes them, then carries out the effects. A read-only
-/// dispatch (`may_wait_for_next`) is instead held for at most `commit_window`: its calls are
-/// sent at once and it is committed with the next transition (their result, usually), or on
-/// its own when the window closes. Nothing is published before it is stored.
+/// transitions still waiting), publishes them, then carries out the effects. A transition that
+/// may wait (`may_wait_in_window`) instead joins the commit window, opening it if none is
+/// open: its effects are carried out at once, and it is committed with the transitions after
+/// it, at the latest when the window closes. Nothing is published before it is stored.
 async fn commit_transition(
     myself: &ActorRef<RunMsg>,
     deps: &Arc<RunDeps>,
     live: &mut Live,
     transition: Transition,
+    cause: Cause,
     prev_version: u64,
     prev_status: crate::run::state::Status,
 ) -> Result<Applied, ActorProcessingErr> {
@@ -1174,12 +1246,22 @@ async fn commit_transition(
     });
     pending.events.push(record);
     if let Some(window) = deps.commit_window
-        && pending.events.len() == 1
-        && may_wait_for_next(&transition.effects, &live.run)
+        && cause == Cause::Work
+        && pending.events.len() < MAX_WINDOW_EVENTS
+        && live.run.status == pending.stored_status
+        && may_wait_in_window(&transition.effects, &live.run)
+        && !holds_untrimmed_output(live)
     {
+        // The window's timer runs from its first transition: later ones join it and close
+        // with it, so nothing waits longer than `commit_window`.
+        let opens = pending.events.len() == 1;
+        let expected_version = pending.expected_version;
         live.uncommitted = Some(pending);
-        let version = live.run.version;
-        myself.send_after(window, move || RunMsg::CommitWindowClosed { version });
+        if opens {
+            myself.send_after(window, move || RunMsg::CommitWindowClosed {
+                expected_version,
+            });
+        }
         for effect in transition.effects {
             execute(myself, deps, live, effect);
         }

@@ -1,7 +1,9 @@
-//! The commit window (`runtime.commit_window`): a model reply whose only effects are read-only
-//! tool calls is committed together with their results (one store write per step), on its own
-//! when they do not answer within the window, and lost by a crash in the window only as far
-//! as the resumed run asks the model again.
+//! The commit window (`runtime.commit_window`): transitions whose only effects are read-only
+//! tool calls, model calls or a verification wait to be committed together (one store write
+//! for many steps), no longer than the window and no more than its bound of transitions; a
+//! call that writes is sent only once what led to it is stored; a control's requester is
+//! answered with what is stored; and a crash in the window loses only what the resumed run
+//! asks the model and the read-only tools for again.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -50,9 +52,10 @@ async fn stored_log(h: &Harness, id: &RunId) -> Vec<String> {
     events.into_iter().map(|e| e.kind).collect()
 }
 
-/// With a window long enough for the echo tool, each step's reply and result land in one
-/// commit, and the final answer in one with its verdict: the run commits once per step, not
-/// twice, and its log is the same, gap-free, with every event.
+/// With a window longer than the run, the start is stored at once (a status change), and
+/// every transition after it, to the end, waits in one window that the end commits: two
+/// commits for the whole run (every transition on its own without a window), and the log is
+/// the same, gap-free, with every event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_step_is_committed_once_with_its_result() {
     for window in [Some(Duration::from_secs(30)), None] {
@@ -74,9 +77,7 @@ async fn a_read_only_step_is_committed_once_with_its_result() {
         let commits = metrics.commits.load(Ordering::SeqCst);
         assert_eq!(transitions, log.len() as u64 - 1, "{log:?}");
         match window {
-            // The three dispatches waited for their results, and the final answer for its
-            // verdict.
-            Some(_) => assert_eq!(commits, transitions - 4, "{log:?}"),
+            Some(_) => assert_eq!(commits, 2, "{log:?}"),
             None => assert_eq!(commits, transitions, "{log:?}"),
         }
         h.shutdown().await;
@@ -188,5 +189,149 @@ async fn a_crash_in_the_window_asks_the_model_again_and_loses_nothing_stored() {
     let replies = log.iter().filter(|k| *k == "model_replied").count();
     let results = log.iter().filter(|k| *k == "tool_call_finished").count();
     assert_eq!((replies, results), (4, 3), "{log:?}");
+    h.shutdown().await;
+}
+
+/// `steps` echo steps, then the answer.
+fn echo_steps(steps: u32) -> ScriptedModel {
+    ScriptedModel::from_fn("m", move |req| {
+        let turn = turn_of(req);
+        Ok(if turn <= steps {
+            calls(&[("echo", json!({"text": format!("step {turn}")}))])
+        } else {
+            text("done")
+        })
+    })
+}
+
+/// However fast the model and tools answer, a window holds at most 64 transitions: after its
+/// start, a long run commits in windows of 64, each one commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_holds_a_bounded_number_of_transitions() {
+    let mut b = Builder::new()
+        .tool(Arc::new(Echo::new()))
+        .model(echo_steps(60))
+        .agent(
+            AgentSpec::new("a", "m")
+                .tools(["echo"])
+                .budget(agentd::run::Budget {
+                    max_turns: 70,
+                    max_tool_calls: 70,
+                    ..Default::default()
+                }),
+        );
+    b.config.commit_window = Some(Duration::from_secs(30));
+    let h = b.start().await;
+    let metrics = h.handle.metrics().clone();
+    let id = h.start_run("a", "go").await;
+    finished(&h, &id).await;
+    let log = stored_log(&h, &id).await;
+    let transitions = metrics.transitions.load(Ordering::SeqCst);
+    assert_eq!(transitions, log.len() as u64 - 1);
+    assert!(transitions > 64, "{transitions} transitions");
+    assert_eq!(
+        metrics.commits.load(Ordering::SeqCst),
+        1 + (transitions - 1).div_ceil(64)
+    );
+    h.shutdown().await;
+}
+
+/// A tool that writes, and records what the store held when it was called.
+struct StoredWhenCalled {
+    spec: ToolSpec,
+    store: agentd::store::SharedStore,
+    seen: Arc<std::sync::Mutex<Vec<Vec<String>>>>,
+}
+
+#[async_trait::async_trait]
+impl Tool for StoredWhenCalled {
+    fn spec(&self) -> &ToolSpec {
+        &self.spec
+    }
+
+    async fn call(&self, ctx: &ToolContext, _arguments: Value) -> Result<Value, ToolError> {
+        let log = self.store.read(&ctx.run_id, 0, 1_000).await.unwrap();
+        self.seen
+            .lock()
+            .unwrap()
+            .push(log.into_iter().map(|e| e.kind).collect());
+        Ok(json!({"written": true}))
+    }
+}
+
+/// A call that writes leaves only once the reply asking for it, and everything the window
+/// held before it, is stored: the window before it (start, a read-only step) is committed
+/// with the write's dispatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_is_sent_only_once_the_reply_asking_for_it_is_stored() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut b = Builder::new();
+    let write = StoredWhenCalled {
+        spec: ToolSpec::new("write", "Writes.", json!({"type": "object"}))
+            .effect(ToolEffect::Idempotent),
+        store: b.store.clone(),
+        seen: seen.clone(),
+    };
+    b = b
+        .tool(Arc::new(Echo::new()))
+        .tool(Arc::new(write))
+        .model(ScriptedModel::from_fn("m", |req| {
+            Ok(match turn_of(req) {
+                1 => calls(&[("echo", json!({"text": "look first"}))]),
+                2 => calls(&[("write", json!({}))]),
+                _ => text("done"),
+            })
+        }))
+        .agent(AgentSpec::new("a", "m").tools(["echo", "write"]));
+    b.config.commit_window = Some(Duration::from_secs(30));
+    let h = b.start().await;
+    let id = h.start_run("a", "go").await;
+    finished(&h, &id).await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let replies = seen[0].iter().filter(|k| *k == "model_replied").count();
+    let results = seen[0]
+        .iter()
+        .filter(|k| *k == "tool_call_finished")
+        .count();
+    assert_eq!(
+        (replies, results),
+        (2, 1),
+        "stored when called: {:?}",
+        seen[0]
+    );
+    h.shutdown().await;
+}
+
+/// A control's requester is answered with a stored state: input that resumes the run opens
+/// a window (the next model call), and the answer waits for its commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_is_answered_with_what_is_stored() {
+    let mut b = Builder::new()
+        .tool(Arc::new(Echo::new()))
+        .model(ScriptedModel::from_fn("m", |req| {
+            Ok(match turn_of(req) {
+                1 => calls(&[("ask_user", json!({"question": "which?"}))]),
+                2 => calls(&[("echo", json!({"text": "this one"}))]),
+                _ => text("done"),
+            })
+        }))
+        .agent(AgentSpec::new("a", "m").tools(["echo"]));
+    b.config.commit_window = Some(Duration::from_secs(30));
+    let h = b.start().await;
+    let id = h.start_run("a", "go").await;
+    h.handle
+        .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+        .await
+        .unwrap();
+    let answered = h.handle.input(TENANT, &id, "that".into()).await.unwrap();
+    let stored = h.store.load(&id).await.unwrap().expect("stored");
+    assert!(
+        stored.version >= answered.version,
+        "answered with version {} while the store holds {}",
+        answered.version,
+        stored.version
+    );
+    finished(&h, &id).await;
     h.shutdown().await;
 }
