@@ -32,9 +32,9 @@ use crate::pool::PoolSize;
 use crate::redact::Redactor;
 use crate::run::machine::InvalidTransition;
 use crate::run::{Budget, Policy, RunState, Status};
-use crate::runtime::actor::{Boot, FaultInjector, RunDeps, checkpoint_of, state_of};
+use crate::runtime::actor::{Boot, CreatedRun, FaultInjector, RunDeps, checkpoint_of, state_of};
 use crate::runtime::supervisor::{RestartPolicy, RunSupervisor, SupervisorArgs, SupervisorMsg};
-use crate::store::{self, Checkpoint, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
+use crate::store::{self, Control, CreateOutcome, EventRecord, RunFilter, SharedStore};
 use crate::tool::ToolResult;
 use crate::tool::executor::ToolExecutor;
 use crate::tool::registry::Registry;
@@ -703,22 +703,35 @@ impl RuntimeHandle {
         } else {
             self.count_active(&req.tenant, 1);
         }
-        let outcome = inner
-            .deps
-            .store
-            .create(
-                &checkpoint,
-                std::slice::from_ref(&created),
-                req.client_key.as_deref(),
-            )
-            .await;
+        // With room for its actor here, the create also takes the run's lease: this node
+        // owns the new run from its first write (one write instead of two).
+        let deps = &inner.deps;
+        let has_room =
+            (deps.metrics.live_runs.load(Ordering::Relaxed) as usize) < inner.config.max_live_runs;
+        let claimed_at = now_ms();
+        let events = std::slice::from_ref(&created);
+        let key = req.client_key.as_deref();
+        let outcome = if has_room {
+            deps.store
+                .create_claimed(&checkpoint, events, key, &deps.node_id, deps.lease_ttl)
+                .await
+        } else {
+            deps.store
+                .create(&checkpoint, events, key)
+                .await
+                .map(|o| (o, None))
+        };
         match outcome {
-            Ok(CreateOutcome::Created) => {
+            Ok((CreateOutcome::Created, lease)) => {
                 inner.deps.metrics.entered_by(&req.tenant, Status::Created);
-                self.start_new(&run.id, Some(checkpoint)).await?;
+                let created = CreatedRun {
+                    checkpoint,
+                    lease: lease.map(|l| (l, claimed_at)),
+                };
+                self.start_new(&run.id, Some(created)).await?;
                 Ok((run, true))
             }
-            Ok(CreateOutcome::Existing(id)) => {
+            Ok((CreateOutcome::Existing(id), _)) => {
                 self.count_active(&req.tenant, -1);
                 let existing = match self.get_run(&req.tenant, &id).await {
                     Err(Error::NotFound) if id != run.id => {
@@ -743,20 +756,21 @@ impl RuntimeHandle {
     }
 
     /// Starts a new run here, or — when this node has no room — leaves it due for any node.
-    /// `created`: the checkpoint this node's create just stored, so the actor need not read
-    /// it back.
-    async fn start_new(&self, id: &RunId, created: Option<Checkpoint>) -> Result<(), Error> {
+    /// `created`: what this node's create just stored (so the actor need not read it back)
+    /// and the lease it took (then the run starts here: this node owns it).
+    async fn start_new(&self, id: &RunId, created: Option<CreatedRun>) -> Result<(), Error> {
         let inner = &self.inner;
         let live = inner.deps.metrics.live_runs.load(Ordering::Relaxed) as usize;
-        if live >= inner.config.max_live_runs {
+        let owned = created.as_ref().is_some_and(|c| c.lease.is_some());
+        if live >= inner.config.max_live_runs && !owned {
             tracing::debug!(run = %id, live, "no room on this node; the run waits for any node with room");
             inner.deps.store.set_due(id, Some(now_ms())).await?;
             return Ok(());
         }
         let msg = match created {
-            Some(checkpoint) => SupervisorMsg::StartCreated {
+            Some(created) => SupervisorMsg::StartCreated {
                 id: id.clone(),
-                checkpoint: Box::new(checkpoint),
+                created: Box::new(created),
             },
             None => SupervisorMsg::Start {
                 id: id.clone(),

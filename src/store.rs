@@ -367,6 +367,27 @@ pub trait CheckpointStore: Send + Sync + 'static {
         client_key: Option<&str>,
     ) -> Result<CreateOutcome>;
 
+    /// `create`, and when it stored the run (`Created`), the run's first lease for `owner`
+    /// as `claim` would take it (its due time set to now + `ttl` too), so that the creating
+    /// node owns its new run without a second write. `None` for the lease when the create was
+    /// a retry of one already applied, or the claim did not land: the caller then claims as
+    /// any node would. (This default creates, then claims; the stores do both in one write.)
+    async fn create_claimed(
+        &self,
+        checkpoint: &Checkpoint,
+        events: &[EventRecord],
+        client_key: Option<&str>,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<(CreateOutcome, Option<Lease>)> {
+        let outcome = self.create(checkpoint, events, client_key).await?;
+        if outcome != CreateOutcome::Created {
+            return Ok((outcome, None));
+        }
+        let lease = self.claim(&checkpoint.run_id, owner, ttl).await.ok();
+        Ok((outcome, lease))
+    }
+
     /// The run's checkpoint, its whole transcript included; `None` if no such run is stored.
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>>;
 

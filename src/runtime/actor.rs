@@ -246,8 +246,19 @@ pub struct RunArgs {
     /// The actor was started for a stored control: if another node owns the run, wake it.
     pub wake_owner: bool,
     /// A run this node has just created: the checkpoint its create stored, used instead of
-    /// reading it back (`Boot::Start` only; a retried boot reads the store).
-    pub created: Option<Box<Checkpoint>>,
+    /// reading it back, and the lease the create took (`Boot::Start` only; a retried boot
+    /// reads the store).
+    pub created: Option<Box<CreatedRun>>,
+}
+
+/// A run this node has just created, as its create left it.
+#[derive(Debug)]
+pub struct CreatedRun {
+    /// The checkpoint the create stored.
+    pub checkpoint: Checkpoint,
+    /// The lease the create took with it (`CheckpointStore::create_claimed`), and a time no
+    /// later than when the store granted it (ms since the epoch); `None`: the actor claims.
+    pub lease: Option<(Lease, u64)>,
 }
 
 /// The actor's state: empty until `post_start` has loaded the checkpoint.
@@ -255,7 +266,7 @@ pub struct RunActorState {
     id: RunId,
     boot: Boot,
     wake_owner: bool,
-    created: Option<Box<Checkpoint>>,
+    created: Option<Box<CreatedRun>>,
     deps: Arc<RunDeps>,
     live: Option<Live>,
     /// Messages that arrived before the run was loaded (the store did not answer yet).
@@ -613,16 +624,22 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
             })
         }
     };
-    let cp = match st.created.take() {
+    let (cp, created_lease) = match st.created.take() {
         // Just stored by this node's create, and nobody can have committed since: a commit
-        // needs the lease, which this boot claims next (a version conflict would reload).
-        Some(cp) if st.boot == Boot::Start => *cp,
-        _ => deps
-            .store
-            .load(&id)
-            .await
-            .map_err(down)?
-            .ok_or_else(|| Error::Missing(id.clone()))?,
+        // needs the lease, which the create took or this boot claims next (a version conflict
+        // would reload).
+        Some(created) if st.boot == Boot::Start => {
+            let CreatedRun { checkpoint, lease } = *created;
+            (checkpoint, lease)
+        }
+        _ => (
+            deps.store
+                .load(&id)
+                .await
+                .map_err(down)?
+                .ok_or_else(|| Error::Missing(id.clone()))?,
+            None,
+        ),
     };
     let run = state_of(&cp).map_err(|e| Error::Corrupt {
         run: id.clone(),
@@ -653,8 +670,21 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
     let Some(agent) = agent else {
         return Err(BootError::Fatal(Error::Bug("agent checked above".into())));
     };
-    let lease = match deps.store.claim(&id, &deps.node_id, deps.lease_ttl).await {
-        Ok(l) => l,
+    let claimed = match created_lease {
+        Some(taken) => Ok(taken),
+        None => {
+            let at = now_ms();
+            deps.store
+                .claim(&id, &deps.node_id, deps.lease_ttl)
+                .await
+                .map(|l| (l, at))
+        }
+    };
+    let lease = match claimed {
+        Ok((lease, at)) => {
+            deps.leases.insert(lease.clone(), at);
+            lease
+        }
         Err(store::Error::LeaseHeld { owner, .. }) => {
             tracing::debug!(run = %id, %owner, "run is owned by another node");
             if st.wake_owner
@@ -667,7 +697,6 @@ async fn boot(myself: &ActorRef<RunMsg>, st: &mut RunActorState) -> Result<(), B
         }
         Err(e) => return Err(down(e)),
     };
-    deps.leases.insert(lease.clone(), now_ms());
     if st.boot == Boot::TakeOver {
         deps.metrics.takeovers.fetch_add(1, Ordering::Relaxed);
         tracing::info!(run = %id, node = %deps.node_id, "took the run over");

@@ -21,9 +21,10 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use serde::{Deserialize, Serialize};
 
-use super::actor::{Boot, ControlReply, RunActor, RunArgs, RunDeps, RunMsg, StopReason};
+use super::actor::{
+    Boot, ControlReply, CreatedRun, RunActor, RunArgs, RunDeps, RunMsg, StopReason,
+};
 use crate::ids::RunId;
-use crate::store::Checkpoint;
 
 /// How often a crashing run is restarted before it fails with `crash_loop`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,12 +78,12 @@ pub enum SupervisorMsg {
         boot: Boot,
     },
     /// Start the actor of a run this node has just created, from the checkpoint it stored
-    /// (so the actor does not read it back).
+    /// (so the actor does not read it back) and with the lease the create took.
     StartCreated {
         /// The run.
         id: RunId,
-        /// The checkpoint the create stored.
-        checkpoint: Box<Checkpoint>,
+        /// What the create stored and took.
+        created: Box<CreatedRun>,
     },
     /// A control was stored at inbox `seq`: wake the run's actor (bringing it back if it is
     /// not live); the reply comes from the actor once that entry is consumed.
@@ -153,7 +154,7 @@ impl SupervisorState {
         id: RunId,
         boot: Boot,
         wake_owner: bool,
-        created: Option<Box<Checkpoint>>,
+        created: Option<Box<CreatedRun>>,
     ) {
         let args = RunArgs {
             id: id.clone(),
@@ -284,10 +285,10 @@ impl Actor for RunSupervisor {
                     st.spawn(&myself, id, boot).await;
                 }
             }
-            SupervisorMsg::StartCreated { id, checkpoint } => {
+            SupervisorMsg::StartCreated { id, created } => {
                 let live = st.runs.get(&id).is_some_and(|e| e.actor.is_some());
                 if !live {
-                    st.spawn_for(&myself, id, Boot::Start, false, Some(checkpoint))
+                    st.spawn_for(&myself, id, Boot::Start, false, Some(created))
                         .await;
                 }
             }

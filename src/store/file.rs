@@ -351,6 +351,8 @@ impl<T> Reply<T> {
 
 enum Job {
     Create(CreateJob, Reply<CreateOutcome>),
+    /// A create and, if it stored the run, the first claim of it, in one transaction.
+    CreateClaimed(CreateJob, ClaimJob, Reply<(CreateOutcome, Option<Lease>)>),
     Commit(CommitJob, Reply<()>),
     Claim(ClaimJob, Reply<Lease>),
     Release(Lease, Reply<()>),
@@ -364,6 +366,22 @@ impl Job {
     fn apply(&mut self, t: &mut Tables<'_>, leases: &mut Leases<'_>) -> Result<()> {
         match self {
             Job::Create(j, r) => r.settle(t.create(j)),
+            Job::CreateClaimed(j, c, r) => {
+                let created = t.create(j).and_then(|outcome| {
+                    if outcome != CreateOutcome::Created {
+                        return Ok((outcome, None));
+                    }
+                    match t.claim(c, leases) {
+                        Ok(lease) => Ok((outcome, Some(lease))),
+                        // Storage failed: the whole batch is aborted and fails.
+                        Err(e @ Error::Unavailable(_)) => Err(e),
+                        // Claimed elsewhere already (this create was a retry): the caller
+                        // claims as any node would.
+                        Err(_) => Ok((outcome, None)),
+                    }
+                });
+                r.settle(created)
+            }
             Job::Commit(j, r) => r.settle(t.commit(j)),
             Job::Claim(j, r) => r.settle(t.claim(j, leases)),
             Job::Release(l, r) => r.settle(t.release(l, leases)),
@@ -377,6 +395,7 @@ impl Job {
     fn send(self) {
         match self {
             Job::Create(_, r) => r.send(),
+            Job::CreateClaimed(_, _, r) => r.send(),
             Job::Commit(_, r) => r.send(),
             Job::Claim(_, r) => r.send(),
             Job::Release(_, r) => r.send(),
@@ -390,6 +409,7 @@ impl Job {
     fn fail(self, e: &Error) {
         match self {
             Job::Create(_, r) => r.fail(e),
+            Job::CreateClaimed(_, _, r) => r.fail(e),
             Job::Commit(_, r) => r.fail(e),
             Job::Claim(_, r) => r.fail(e),
             Job::Release(_, r) => r.fail(e),
@@ -956,6 +976,31 @@ impl FileStore {
     }
 }
 
+/// The write job of a create, checked: its events start the log, its transcript at 0.
+fn create_job(
+    checkpoint: &Checkpoint,
+    events: &[EventRecord],
+    client_key: Option<&str>,
+) -> Result<CreateJob> {
+    let run = &checkpoint.run_id;
+    check_seq(run, 0, events.iter().map(|e| e.seq))?;
+    if checkpoint.transcript_from != 0 {
+        return Err(torn_transcript(run, checkpoint.transcript_from, 0));
+    }
+    Ok(CreateJob {
+        run: run.clone(),
+        transcript: checkpoint.transcript.clone(),
+        tenant: checkpoint.tenant.clone(),
+        agent: checkpoint.agent.clone(),
+        status: checkpoint.status.clone(),
+        terminal: checkpoint.terminal,
+        json: serde_json::to_string(checkpoint)
+            .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
+        events: encode_events(run, events)?,
+        key: client_key.map(str::to_owned),
+    })
+}
+
 #[async_trait]
 impl CheckpointStore for FileStore {
     async fn create(
@@ -965,24 +1010,31 @@ impl CheckpointStore for FileStore {
         client_key: Option<&str>,
     ) -> Result<CreateOutcome> {
         let run = &checkpoint.run_id;
-        check_seq(run, 0, events.iter().map(|e| e.seq))?;
-        if checkpoint.transcript_from != 0 {
-            return Err(torn_transcript(run, checkpoint.transcript_from, 0));
-        }
-        let job = CreateJob {
-            run: run.clone(),
-            transcript: checkpoint.transcript.clone(),
-            tenant: checkpoint.tenant.clone(),
-            agent: checkpoint.agent.clone(),
-            status: checkpoint.status.clone(),
-            terminal: checkpoint.terminal,
-            json: serde_json::to_string(checkpoint)
-                .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
-            events: encode_events(run, events)?,
-            key: client_key.map(str::to_owned),
-        };
+        let job = create_job(checkpoint, events, client_key)?;
         self.write(|| format!("creating run {run}"), |r| Job::Create(job, r))
             .await
+    }
+
+    async fn create_claimed(
+        &self,
+        checkpoint: &Checkpoint,
+        events: &[EventRecord],
+        client_key: Option<&str>,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<(CreateOutcome, Option<Lease>)> {
+        let run = &checkpoint.run_id;
+        let job = create_job(checkpoint, events, client_key)?;
+        let claim = ClaimJob {
+            run: run.clone(),
+            owner: owner.to_owned(),
+            ttl,
+        };
+        self.write(
+            || format!("creating run {run}"),
+            |r| Job::CreateClaimed(job, claim, r),
+        )
+        .await
     }
 
     async fn transcript_entry(&self, run: &RunId, index: u64) -> Result<Option<String>> {

@@ -115,16 +115,29 @@ const HELD: i64 = 7;
 const LEGACY: i64 = 8;
 const NODE_HELD: i64 = 9;
 
-/// KEYS: ckpt, events, transcript.
+/// KEYS: ckpt, events, transcript, and to claim the run, its lease.
 /// ARGV: version, body, status, terminal(0|1), updated_at_ms, meta, n, then n × (seq, event
-/// json), m, then m transcript entries.
+/// json), m, then m transcript entries, and to claim the run, owner and ttl_ms.
+/// Answers OK with the lease token when it claimed the run (empty when asked not to, or when
+/// another owner holds the lease of a run this create already stored).
 const CREATE_LUA: &str = r#"
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  -- A retry of an applied create (reply lost) is not a conflict.
-  if redis.call('HGET', KEYS[1], 'body') == ARGV[2] then return {0, ''} end
-  return {4, tostring(redis.call('HGET', KEYS[1], 'v') or '0')}
-end
 local n = tonumber(ARGV[7])
+local m = tonumber(ARGV[8 + 2 * n])
+local owner, ttl = ARGV[9 + 2 * n + m], ARGV[10 + 2 * n + m]
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- A retry of an applied create (reply lost) is not a conflict; it claims as CLAIM_LUA.
+  if redis.call('HGET', KEYS[1], 'body') ~= ARGV[2] then
+    return {4, tostring(redis.call('HGET', KEYS[1], 'v') or '0')}
+  end
+  if not owner then return {0, ''} end
+  local held = redis.call('HGET', KEYS[4], 'owner')
+  if held and held ~= owner then return {0, ''} end
+  local t = redis.call('HINCRBY', KEYS[1], 'tokens', 1)
+  redis.call('HSET', KEYS[1], 'fence', t)
+  redis.call('HSET', KEYS[4], 'owner', owner, 'token', t)
+  redis.call('PEXPIRE', KEYS[4], ttl)
+  return {0, tostring(t)}
+end
 for i = 1, n do
   if tonumber(ARGV[6 + 2 * i]) ~= i then return {5, ARGV[6 + 2 * i]} end
 end
@@ -137,14 +150,22 @@ for i = 1, n, 500 do
   for j = i, last do x[#x + 1] = 'e'; x[#x + 1] = ARGV[7 + 2 * j] end
   redis.call(unpack(x))
 end
-local m = tonumber(ARGV[8 + 2 * n])
 -- One RPUSH per chunk (unpack is bounded by Lua's stack).
 for i = 1, m, 500 do
   redis.call('RPUSH', KEYS[3], unpack(ARGV, 8 + 2 * n + i, 8 + 2 * n + math.min(i + 499, m)))
 end
+if not owner then
+  redis.call('HSET', KEYS[1], 'v', ARGV[1], 'body', ARGV[2], 'status', ARGV[3],
+    'terminal', ARGV[4], 'u', ARGV[5], 'meta', ARGV[6], 'seq', n, 'tokens', 0, 'tl', m)
+  return {0, ''}
+end
+-- The creating node owns the new run: token 1, as its first claim would give.
 redis.call('HSET', KEYS[1], 'v', ARGV[1], 'body', ARGV[2], 'status', ARGV[3],
-  'terminal', ARGV[4], 'u', ARGV[5], 'meta', ARGV[6], 'seq', n, 'tokens', 0, 'tl', m)
-return {0, ''}
+  'terminal', ARGV[4], 'u', ARGV[5], 'meta', ARGV[6], 'seq', n, 'tokens', 1, 'tl', m,
+  'fence', 1)
+redis.call('HSET', KEYS[4], 'owner', owner, 'token', 1)
+redis.call('PEXPIRE', KEYS[4], ttl)
+return {0, '1'}
 "#;
 
 /// KEYS: ckpt, events, transcript.
@@ -1248,6 +1269,128 @@ impl RedisStore {
             .next()
             .map_or_else(|| "0-0".to_owned(), |(id, _)| id))
     }
+
+    /// `create`, and with `claim` (owner, ttl) the new run's first lease, in the same script.
+    async fn create_maybe_claimed(
+        &self,
+        checkpoint: &Checkpoint,
+        events: &[EventRecord],
+        client_key: Option<&str>,
+        claim: Option<(&str, Duration)>,
+    ) -> Result<(CreateOutcome, Option<Lease>)> {
+        let run = &checkpoint.run_id;
+        // Checked here too, so that a bad create does not use up its client key.
+        check_seq(run, 0, events.iter().map(|e| e.seq))?;
+        let keys = &self.core.keys;
+        let what = format!("creating run {run}");
+        if let Some(k) = client_key {
+            // The key first: a concurrent create with the same key loses here. SET NX and GET
+            // touch one key, so they share a pipeline even on a cluster.
+            let key = keys.client_key(&checkpoint.tenant, k);
+            let mut pipe = ::redis::pipe();
+            pipe.cmd("SET")
+                .arg(&key)
+                .arg(run.as_str())
+                .arg("NX")
+                .ignore()
+                .cmd("GET")
+                .arg(&key);
+            let mut con = self.core.con.clone();
+            let (owner,): (Option<String>,) =
+                self.core.bounded(&what, pipe.query_async(&mut con)).await?;
+            let owner = owner.ok_or_else(|| {
+                Error::Unavailable(format!("redis: {what}: the client key vanished"))
+            })?;
+            let owner: RunId = owner
+                .parse()
+                .map_err(|e| corrupt(run, "client key maps to a bad run id", e))?;
+            if &owner != run {
+                return Ok((CreateOutcome::Existing(owner), None));
+            }
+        }
+        let meta = Self::record_meta(run, checkpoint)?;
+        if checkpoint.transcript_from != 0 {
+            return Err(torn_transcript(run, checkpoint.transcript_from, 0));
+        }
+        let mut script_keys = vec![keys.ckpt(run), keys.events(run), keys.transcript(run)];
+        if claim.is_some() {
+            script_keys.push(keys.lease(run));
+        }
+        let mut script = self.core.evalsha(&self.core.scripts.create, &script_keys);
+        script
+            .arg(checkpoint.version)
+            .arg(&checkpoint.body)
+            .arg(&checkpoint.status)
+            .arg(terminal_arg(checkpoint))
+            .arg(checkpoint.updated_at_ms)
+            .arg(meta)
+            .arg(events.len());
+        for (seq, json) in encode_events(run, events)? {
+            script.arg(seq).arg(json);
+        }
+        script.arg(checkpoint.transcript.len());
+        for entry in &checkpoint.transcript {
+            script.arg(entry);
+        }
+        if let Some((owner, ttl)) = claim {
+            script.arg(owner).arg(ttl.as_millis().max(1) as u64);
+        }
+        // Indexes before the checkpoint: a crash in between leaves entries readers skip.
+        let mut indexes = Vec::new();
+        if !checkpoint.terminal {
+            let mut c = ::redis::cmd("SADD");
+            c.arg(keys.active()).arg(run.as_str());
+            indexes.push(c);
+        }
+        for key in [
+            keys.tenant_runs(&checkpoint.tenant),
+            keys.tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
+            keys.tenant_agent_runs(&checkpoint.tenant, &checkpoint.agent),
+        ] {
+            let mut c = ::redis::cmd("ZADD");
+            c.arg(key).arg(0).arg(run.as_str());
+            indexes.push(c);
+        }
+        if let Some((_, ttl)) = claim {
+            // The due time a claim sets (now + ttl: if this node dies, the run is due when
+            // its lease lapses); before the script, like the other indexes.
+            indexes.push(self.due_cmd(&[run], Some(due_in(ttl))));
+        }
+        let (code, detail) = self
+            .core
+            .exec_ordered(&what, indexes, script)
+            .await?
+            .reply(&what)?;
+        match code {
+            OK => {
+                self.core.remember_listed(checkpoint);
+                let lease = match (claim, detail.as_str()) {
+                    (Some((owner, _)), token) if !token.is_empty() => Some(Lease {
+                        run_id: run.clone(),
+                        owner: owner.to_owned(),
+                        token: token
+                            .parse()
+                            .map_err(|e| corrupt(run, "bad lease token", e))?,
+                    }),
+                    _ => None,
+                };
+                Ok((CreateOutcome::Created, lease))
+            }
+            CONFLICT => Err(Error::VersionConflict {
+                run: run.clone(),
+                expected: 0,
+                found: detail.parse().unwrap_or(0),
+            }),
+            GAP => Err(Error::SequenceGap {
+                run: run.clone(),
+                seq: detail.parse().unwrap_or(0),
+            }),
+            TORN => Err(torn_transcript(run, 0, detail.parse().unwrap_or(0))),
+            other => Err(Error::Corrupt(format!(
+                "run {run}: create script answered code {other}"
+            ))),
+        }
+    }
 }
 
 /// Collects queued commits into batches and sends each batch in one round trip, with at most
@@ -1284,99 +1427,22 @@ impl CheckpointStore for RedisStore {
         events: &[EventRecord],
         client_key: Option<&str>,
     ) -> Result<CreateOutcome> {
-        let run = &checkpoint.run_id;
-        // Checked here too, so that a bad create does not use up its client key.
-        check_seq(run, 0, events.iter().map(|e| e.seq))?;
-        let keys = &self.core.keys;
-        let what = format!("creating run {run}");
-        if let Some(k) = client_key {
-            // The key first: a concurrent create with the same key loses here. SET NX and GET
-            // touch one key, so they share a pipeline even on a cluster.
-            let key = keys.client_key(&checkpoint.tenant, k);
-            let mut pipe = ::redis::pipe();
-            pipe.cmd("SET")
-                .arg(&key)
-                .arg(run.as_str())
-                .arg("NX")
-                .ignore()
-                .cmd("GET")
-                .arg(&key);
-            let mut con = self.core.con.clone();
-            let (owner,): (Option<String>,) =
-                self.core.bounded(&what, pipe.query_async(&mut con)).await?;
-            let owner = owner.ok_or_else(|| {
-                Error::Unavailable(format!("redis: {what}: the client key vanished"))
-            })?;
-            let owner: RunId = owner
-                .parse()
-                .map_err(|e| corrupt(run, "client key maps to a bad run id", e))?;
-            if &owner != run {
-                return Ok(CreateOutcome::Existing(owner));
-            }
-        }
-        let meta = Self::record_meta(run, checkpoint)?;
-        if checkpoint.transcript_from != 0 {
-            return Err(torn_transcript(run, checkpoint.transcript_from, 0));
-        }
-        let mut script = self.core.evalsha(
-            &self.core.scripts.create,
-            &[keys.ckpt(run), keys.events(run), keys.transcript(run)],
-        );
-        script
-            .arg(checkpoint.version)
-            .arg(&checkpoint.body)
-            .arg(&checkpoint.status)
-            .arg(terminal_arg(checkpoint))
-            .arg(checkpoint.updated_at_ms)
-            .arg(meta)
-            .arg(events.len());
-        for (seq, json) in encode_events(run, events)? {
-            script.arg(seq).arg(json);
-        }
-        script.arg(checkpoint.transcript.len());
-        for entry in &checkpoint.transcript {
-            script.arg(entry);
-        }
-        // Indexes before the checkpoint: a crash in between leaves entries readers skip.
-        let mut indexes = Vec::new();
-        if !checkpoint.terminal {
-            let mut c = ::redis::cmd("SADD");
-            c.arg(keys.active()).arg(run.as_str());
-            indexes.push(c);
-        }
-        for key in [
-            keys.tenant_runs(&checkpoint.tenant),
-            keys.tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
-            keys.tenant_agent_runs(&checkpoint.tenant, &checkpoint.agent),
-        ] {
-            let mut c = ::redis::cmd("ZADD");
-            c.arg(key).arg(0).arg(run.as_str());
-            indexes.push(c);
-        }
-        let (code, detail) = self
-            .core
-            .exec_ordered(&what, indexes, script)
+        Ok(self
+            .create_maybe_claimed(checkpoint, events, client_key, None)
             .await?
-            .reply(&what)?;
-        match code {
-            OK => {
-                self.core.remember_listed(checkpoint);
-                Ok(CreateOutcome::Created)
-            }
-            CONFLICT => Err(Error::VersionConflict {
-                run: run.clone(),
-                expected: 0,
-                found: detail.parse().unwrap_or(0),
-            }),
-            GAP => Err(Error::SequenceGap {
-                run: run.clone(),
-                seq: detail.parse().unwrap_or(0),
-            }),
-            TORN => Err(torn_transcript(run, 0, detail.parse().unwrap_or(0))),
-            other => Err(Error::Corrupt(format!(
-                "run {run}: create script answered code {other}"
-            ))),
-        }
+            .0)
+    }
+
+    async fn create_claimed(
+        &self,
+        checkpoint: &Checkpoint,
+        events: &[EventRecord],
+        client_key: Option<&str>,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<(CreateOutcome, Option<Lease>)> {
+        self.create_maybe_claimed(checkpoint, events, client_key, Some((owner, ttl)))
+            .await
     }
 
     async fn load(&self, run: &RunId) -> Result<Option<Checkpoint>> {

@@ -935,3 +935,42 @@ async fn waiting_for_a_state_a_run_ends_without_answers_at_once_with_its_status(
     );
     h.shutdown().await;
 }
+
+/// A node owns the run it creates from the create itself (the create takes the lease: no
+/// second write, no moment without an owner); a node with no room for another live run
+/// creates it unowned and due, for any node with room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_created_run_is_owned_by_its_node_from_the_create_on() {
+    for room in [true, false] {
+        let mut b = Builder::new()
+            .model(ScriptedModel::from_fn("m", |_| {
+                Ok(calls(&[("ask_user", json!({"question": "which?"}))]))
+            }))
+            .agent(AgentSpec::new("a", "m"));
+        if !room {
+            b.config.max_live_runs = 0;
+        }
+        let node = b.config.node_id.clone();
+        let h = b.start().await;
+        let id = h.start_run("a", "go").await;
+        let holder = h.store.lease_holder(&id).await.unwrap();
+        if room {
+            assert_eq!(holder.as_deref(), Some(node.as_str()));
+            let run = h
+                .handle
+                .wait_until(TENANT, &id, WAIT, |r| r.status == Status::WaitingInput)
+                .await
+                .unwrap();
+            assert_eq!(run.restarts, 0);
+        } else {
+            assert_eq!(holder, None);
+            let due = h.store.due_runs(u64::MAX, 10).await.unwrap();
+            assert!(due.contains(&id), "{due:?}");
+            assert_eq!(
+                h.handle.get_run(TENANT, &id).await.unwrap().status,
+                Status::Created
+            );
+        }
+        h.shutdown().await;
+    }
+}

@@ -1053,6 +1053,91 @@ async fn transcript_is_append_only(s: &dyn Store) {
     assert!(listed.transcript.is_empty());
 }
 
+/// A create that claims: the creating node owns the new run at once (its commits pass, other
+/// nodes' claims are refused, the run is due when the lease lapses, and a later claim fences
+/// it out); a retry of it claims again as `claim` would; a create with a taken client key
+/// claims nothing, nor does a late retry once the run moved on.
+async fn create_claimed_owns_the_new_run(s: &dyn Store) {
+    let run = RunId::generate();
+    let c1 = ckpt(&run, "t1", 1);
+    let ttl = Duration::from_millis(300);
+    let (out, lease) = s
+        .create_claimed(&c1, &[ev(1)], Some("key-c"), "node-a", ttl)
+        .await
+        .unwrap();
+    assert_eq!(out, CreateOutcome::Created);
+    let a = lease.expect("the create claimed the run");
+    assert_eq!(
+        (a.run_id.clone(), a.owner.as_str()),
+        (run.clone(), "node-a")
+    );
+    assert_eq!(
+        s.lease_holder(&run).await.unwrap().as_deref(),
+        Some("node-a")
+    );
+    let held = s.claim(&run, "node-b", TTL).await;
+    assert!(matches!(held, Err(Error::LeaseHeld { .. })), "{held:?}");
+    let c2 = step(s, &a, &c1).await;
+    assert_eq!(s.load(&run).await.unwrap().unwrap().version, 2);
+    // The same client key again: the existing run, no lease.
+    let other = RunId::generate();
+    let (out, lease) = s
+        .create_claimed(
+            &ckpt(&other, "t1", 1),
+            &[ev(1)],
+            Some("key-c"),
+            "node-a",
+            TTL,
+        )
+        .await
+        .unwrap();
+    assert_eq!((out, lease), (CreateOutcome::Existing(run.clone()), None));
+    // node-a dies: the run falls due when its lease lapses, and node-b takes it over.
+    eventually("the run to fall due", Duration::from_secs(5), || async {
+        s.due_runs(now(), 100)
+            .await
+            .unwrap()
+            .contains(&run)
+            .then_some(())
+    })
+    .await;
+    let b = eventually("node-b to claim it", Duration::from_secs(5), || async {
+        s.claim(&run, "node-b", TTL).await.ok()
+    })
+    .await;
+    assert!(b.token > a.token, "{} > {}", b.token, a.token);
+    let fenced = s.commit(&a, &ckpt(&run, "t1", 3), 2, &[ev(3)]).await;
+    assert!(matches!(fenced, Err(Error::Fenced { .. })), "{fenced:?}");
+    step(s, &b, &c2).await;
+    // The same create once the run has moved on: a conflict, and no lease taken.
+    let late = s.create_claimed(&c1, &[ev(1)], None, "node-a", TTL).await;
+    assert!(
+        matches!(late, Err(Error::VersionConflict { .. })),
+        "{late:?}"
+    );
+    assert_eq!(
+        s.lease_holder(&run).await.unwrap().as_deref(),
+        Some("node-b")
+    );
+    // A retry by the owner itself (its reply was lost): claimed again, with a newer token.
+    let fresh = RunId::generate();
+    let f1 = ckpt(&fresh, "t1", 1);
+    let (_, first) = s
+        .create_claimed(&f1, &[ev(1)], None, "node-a", TTL)
+        .await
+        .unwrap();
+    let (out, again) = s
+        .create_claimed(&f1, &[ev(1)], None, "node-a", TTL)
+        .await
+        .unwrap();
+    assert_eq!(out, CreateOutcome::Created);
+    let (first, again) = (first.unwrap(), again.expect("the owner's retry claims"));
+    assert!(again.token > first.token);
+    let fenced = s.commit(&first, &ckpt(&fresh, "t1", 2), 1, &[ev(2)]).await;
+    assert!(matches!(fenced, Err(Error::Fenced { .. })), "{fenced:?}");
+    step(s, &again, &f1).await;
+}
+
 macro_rules! contract {
     ($($check:ident),* $(,)?) => {
         mod memory {
@@ -1121,6 +1206,7 @@ contract!(
     client_key_retry_creates_the_missing_checkpoint,
     filtered_listings_follow_status_changes,
     transcript_is_append_only,
+    create_claimed_owns_the_new_run,
 );
 
 /// The URL factory opens each kind.
