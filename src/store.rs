@@ -413,6 +413,25 @@ pub trait CheckpointStore: Send + Sync + 'static {
         events: &[EventRecord],
     ) -> Result<()>;
 
+    /// `commit` of a terminal checkpoint that also gives the lease up, in the same write (a
+    /// run that ends with nothing in flight: no late result will need the lease). A release
+    /// that does not land is not an error: the lease expires. (This default commits, then
+    /// releases; the stores do both in one write.)
+    async fn commit_final(
+        &self,
+        lease: &Lease,
+        checkpoint: &Checkpoint,
+        expected_version: u64,
+        events: &[EventRecord],
+    ) -> Result<()> {
+        self.commit(lease, checkpoint, expected_version, events)
+            .await?;
+        if let Err(e) = self.release(lease).await {
+            tracing::debug!(run = %lease.run_id, error = %e, "lease release failed; it will expire");
+        }
+        Ok(())
+    }
+
     /// Takes the run's lease for `ttl` and returns a new token, larger than every token issued
     /// before for this run — also when `owner` already held it (a restarted process or actor is
     /// a new incarnation and must fence out the old one). A live lease of another owner gives

@@ -288,6 +288,8 @@ struct Live {
     /// late results are recorded as ignored instead of vanishing.
     tools_in_flight: u32,
     finishing: bool,
+    /// The lease was given up with the run's last commit (`commit_final`).
+    released: bool,
     /// A commit failed, so `run` may differ from the store: messages wait in `held` until the
     /// checkpoint has been read back (`RunMsg::Reload`).
     reloading: bool,
@@ -543,7 +545,7 @@ impl Actor for RunActor {
             if let Some(t) = live.deadline_timer.take() {
                 t.abort();
             }
-            if live.run.is_terminal() {
+            if live.run.is_terminal() && !live.released {
                 // Late results have been recorded (or waited for long enough): let go.
                 let store = st.deps.store.clone();
                 let lease = live.lease.clone();
@@ -768,6 +770,7 @@ impl Live {
             turn_started: None,
             store_failures: 0,
             tools_in_flight: 0,
+            released: false,
             finishing: false,
             reloading: false,
             held: Vec::new(),
@@ -1348,17 +1351,34 @@ async fn commit_pending(
             run: live.run.id.clone(),
             message: format!("cannot serialize the run: {e}"),
         })?;
-    let committed = deps
-        .store
-        .commit(
-            &live.lease,
-            &checkpoint,
-            pending.expected_version,
-            &pending.events,
-        )
-        .await;
+    // A run that ends with nothing in flight gives its lease up with its last commit: no late
+    // result will need it.
+    let last_write = checkpoint.terminal && live.tools_in_flight == 0;
+    let committed = if last_write {
+        deps.store
+            .commit_final(
+                &live.lease,
+                &checkpoint,
+                pending.expected_version,
+                &pending.events,
+            )
+            .await
+    } else {
+        deps.store
+            .commit(
+                &live.lease,
+                &checkpoint,
+                pending.expected_version,
+                &pending.events,
+            )
+            .await
+    };
     match committed {
         Ok(()) => {
+            if last_write {
+                live.released = true;
+                deps.leases.remove(&live.run.id);
+            }
             live.store_failures = 0;
             live.writer.committed();
             trim_outputs(live);

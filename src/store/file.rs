@@ -281,6 +281,8 @@ struct CommitJob {
     terminal: bool,
     json: String,
     events: Vec<(u64, String)>,
+    /// `commit_final`: the lease given up in the same transaction.
+    release: Option<Lease>,
 }
 
 struct ClaimJob {
@@ -382,7 +384,10 @@ impl Job {
                 });
                 r.settle(created)
             }
-            Job::Commit(j, r) => r.settle(t.commit(j)),
+            Job::Commit(j, r) => r.settle(t.commit(j).and_then(|()| match &j.release {
+                Some(lease) => t.release(lease, leases),
+                None => Ok(()),
+            })),
             Job::Claim(j, r) => r.settle(t.claim(j, leases)),
             Job::Release(l, r) => r.settle(t.release(l, leases)),
             Job::PushControl(j, r) => r.settle(t.push_control(j)),
@@ -976,6 +981,35 @@ impl FileStore {
     }
 }
 
+impl FileStore {
+    /// `commit`, and with `release` the lease given up in the same transaction.
+    async fn commit_maybe_final(
+        &self,
+        lease: &Lease,
+        checkpoint: &Checkpoint,
+        expected_version: u64,
+        events: &[EventRecord],
+        release: bool,
+    ) -> Result<()> {
+        let run = &checkpoint.run_id;
+        let job = CommitJob {
+            run: run.clone(),
+            transcript_from: checkpoint.transcript_from,
+            transcript: checkpoint.transcript.clone(),
+            status: checkpoint.status.clone(),
+            token: lease.token,
+            expected: expected_version,
+            terminal: checkpoint.terminal,
+            json: serde_json::to_string(checkpoint)
+                .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
+            events: encode_events(run, events)?,
+            release: release.then(|| lease.clone()),
+        };
+        self.write(|| format!("committing run {run}"), |r| Job::Commit(job, r))
+            .await
+    }
+}
+
 /// The write job of a create, checked: its events start the log, its transcript at 0.
 fn create_job(
     checkpoint: &Checkpoint,
@@ -1088,20 +1122,18 @@ impl CheckpointStore for FileStore {
         expected_version: u64,
         events: &[EventRecord],
     ) -> Result<()> {
-        let run = &checkpoint.run_id;
-        let job = CommitJob {
-            run: run.clone(),
-            transcript_from: checkpoint.transcript_from,
-            transcript: checkpoint.transcript.clone(),
-            status: checkpoint.status.clone(),
-            token: lease.token,
-            expected: expected_version,
-            terminal: checkpoint.terminal,
-            json: serde_json::to_string(checkpoint)
-                .map_err(|e| corrupt(run, "encoding checkpoint", e))?,
-            events: encode_events(run, events)?,
-        };
-        self.write(|| format!("committing run {run}"), |r| Job::Commit(job, r))
+        self.commit_maybe_final(lease, checkpoint, expected_version, events, false)
+            .await
+    }
+
+    async fn commit_final(
+        &self,
+        lease: &Lease,
+        checkpoint: &Checkpoint,
+        expected_version: u64,
+        events: &[EventRecord],
+    ) -> Result<()> {
+        self.commit_maybe_final(lease, checkpoint, expected_version, events, true)
             .await
     }
 

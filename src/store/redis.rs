@@ -168,7 +168,8 @@ redis.call('PEXPIRE', KEYS[4], ttl)
 return {0, '1'}
 "#;
 
-/// KEYS: ckpt, events, transcript.
+/// KEYS: ckpt, events, transcript, and to give the lease up with the commit (`commit_final`),
+/// the lease.
 /// ARGV: token, expected, new_version, body, status, terminal(0|1), updated_at_ms, n, then
 /// n × (seq, json), then transcript_from, m, and m transcript entries.
 /// The record's constant fields (`meta`) were written by the create, so a commit sends only
@@ -213,6 +214,11 @@ for i = 1, m, 500 do
 end
 redis.call('HSET', KEYS[1], 'v', ARGV[3], 'body', ARGV[4], 'status', ARGV[5],
   'terminal', ARGV[6], 'u', ARGV[7], 'seq', last + n, 'tl', llen + m)
+if KEYS[4] then
+  -- The fence was checked above: the lease is ours to give up (as RELEASE_LUA).
+  redis.call('HDEL', KEYS[1], 'fence')
+  redis.call('DEL', KEYS[4])
+end
 -- The status it replaced, for the listing index.
 return {0, h[4] or ''}
 "#;
@@ -1091,14 +1097,16 @@ impl RedisStore {
         checkpoint: &Checkpoint,
         expected: u64,
         events: &[EventRecord],
+        release: bool,
     ) -> Result<Cmd> {
         let run = &checkpoint.run_id;
         let events = encode_events(run, events)?;
         let keys = &self.core.keys;
-        let mut cmd = self.core.evalsha(
-            &self.core.scripts.commit,
-            &[keys.ckpt(run), keys.events(run), keys.transcript(run)],
-        );
+        let mut script_keys = vec![keys.ckpt(run), keys.events(run), keys.transcript(run)];
+        if release {
+            script_keys.push(keys.lease(run));
+        }
+        let mut cmd = self.core.evalsha(&self.core.scripts.commit, &script_keys);
         cmd.arg(lease.token)
             .arg(expected)
             .arg(checkpoint.version)
@@ -1268,6 +1276,82 @@ impl RedisStore {
             .into_iter()
             .next()
             .map_or_else(|| "0-0".to_owned(), |(id, _)| id))
+    }
+
+    /// `commit`, and with `release` the lease given up in the same script.
+    async fn commit_maybe_final(
+        &self,
+        lease: &Lease,
+        checkpoint: &Checkpoint,
+        expected_version: u64,
+        events: &[EventRecord],
+        release: bool,
+    ) -> Result<()> {
+        let run = checkpoint.run_id.clone();
+        let cmd = self.commit_cmd(lease, checkpoint, expected_version, events, release)?;
+        let indexed = self.core.listed.get(&run).is_some_and(|known| {
+            let (version, status) = known.value();
+            *version == expected_version && *status == checkpoint.status
+        });
+        // Into the new status's index before the checkpoint says so.
+        let mut index_first = None;
+        if !indexed {
+            let mut zadd = ::redis::cmd("ZADD");
+            zadd.arg(
+                self.core
+                    .keys
+                    .tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
+            )
+            .arg(0)
+            .arg(run.as_str());
+            if self.is_cluster() {
+                let _: Value = self
+                    .core
+                    .query(&format!("indexing run {run} by status"), &zadd)
+                    .await?;
+            } else {
+                index_first = Some(zadd);
+            }
+        }
+        let (reply, wait) = oneshot::channel();
+        let job = CommitJob {
+            run: run.clone(),
+            tenant: checkpoint.tenant.clone(),
+            status: checkpoint.status.clone(),
+            index_first,
+            expected: expected_version,
+            token: lease.token,
+            terminal: checkpoint.terminal,
+            cmd,
+            reply,
+        };
+        let limit = self.core.cfg.op_timeout * 2;
+        match &self.queue {
+            None => {
+                self.core.commit_batch(vec![job]).await;
+            }
+            Some(queue) => {
+                let t = self.core.cfg.op_timeout;
+                queue.send_timeout(job, t).await.map_err(|_| {
+                    Error::Unavailable(format!(
+                        "redis: committing run {run}: commit queue full for {t:?}"
+                    ))
+                })?;
+            }
+        }
+        // The batch's own timeout is `op_timeout`; allow it to queue behind other batches.
+        match tokio::time::timeout(limit, wait).await {
+            Ok(Ok(r)) => {
+                if r.is_ok() {
+                    self.core.remember_listed(checkpoint);
+                }
+                r
+            }
+            Ok(Err(_)) => Err(Error::Unavailable(format!(
+                "redis: committing run {run}: group committer stopped"
+            ))),
+            Err(_) => Err(timed_out(&format!("committing run {run}"), limit)),
+        }
     }
 
     /// `create`, and with `claim` (owner, ttl) the new run's first lease, in the same script.
@@ -1497,71 +1581,19 @@ impl CheckpointStore for RedisStore {
         expected_version: u64,
         events: &[EventRecord],
     ) -> Result<()> {
-        let run = checkpoint.run_id.clone();
-        let cmd = self.commit_cmd(lease, checkpoint, expected_version, events)?;
-        let indexed = self.core.listed.get(&run).is_some_and(|known| {
-            let (version, status) = known.value();
-            *version == expected_version && *status == checkpoint.status
-        });
-        // Into the new status's index before the checkpoint says so.
-        let mut index_first = None;
-        if !indexed {
-            let mut zadd = ::redis::cmd("ZADD");
-            zadd.arg(
-                self.core
-                    .keys
-                    .tenant_status_runs(&checkpoint.tenant, &checkpoint.status),
-            )
-            .arg(0)
-            .arg(run.as_str());
-            if self.is_cluster() {
-                let _: Value = self
-                    .core
-                    .query(&format!("indexing run {run} by status"), &zadd)
-                    .await?;
-            } else {
-                index_first = Some(zadd);
-            }
-        }
-        let (reply, wait) = oneshot::channel();
-        let job = CommitJob {
-            run: run.clone(),
-            tenant: checkpoint.tenant.clone(),
-            status: checkpoint.status.clone(),
-            index_first,
-            expected: expected_version,
-            token: lease.token,
-            terminal: checkpoint.terminal,
-            cmd,
-            reply,
-        };
-        let limit = self.core.cfg.op_timeout * 2;
-        match &self.queue {
-            None => {
-                self.core.commit_batch(vec![job]).await;
-            }
-            Some(queue) => {
-                let t = self.core.cfg.op_timeout;
-                queue.send_timeout(job, t).await.map_err(|_| {
-                    Error::Unavailable(format!(
-                        "redis: committing run {run}: commit queue full for {t:?}"
-                    ))
-                })?;
-            }
-        }
-        // The batch's own timeout is `op_timeout`; allow it to queue behind other batches.
-        match tokio::time::timeout(limit, wait).await {
-            Ok(Ok(r)) => {
-                if r.is_ok() {
-                    self.core.remember_listed(checkpoint);
-                }
-                r
-            }
-            Ok(Err(_)) => Err(Error::Unavailable(format!(
-                "redis: committing run {run}: group committer stopped"
-            ))),
-            Err(_) => Err(timed_out(&format!("committing run {run}"), limit)),
-        }
+        self.commit_maybe_final(lease, checkpoint, expected_version, events, false)
+            .await
+    }
+
+    async fn commit_final(
+        &self,
+        lease: &Lease,
+        checkpoint: &Checkpoint,
+        expected_version: u64,
+        events: &[EventRecord],
+    ) -> Result<()> {
+        self.commit_maybe_final(lease, checkpoint, expected_version, events, true)
+            .await
     }
 
     async fn claim(&self, run: &RunId, owner: &str, ttl: Duration) -> Result<Lease> {

@@ -1138,6 +1138,37 @@ async fn create_claimed_owns_the_new_run(s: &dyn Store) {
     step(s, &again, &f1).await;
 }
 
+/// A run's last commit can give its lease up in the same write: the record is terminal, no
+/// node holds the run, the old token is fenced out, and the run is in no index of live runs.
+async fn commit_final_gives_the_lease_up(s: &dyn Store) {
+    let run = created(s, "t1").await;
+    let a = s.claim(&run, "node-a", TTL).await.unwrap();
+    let c2 = step(s, &a, &ckpt(&run, "t1", 1)).await;
+    let mut end = c2.clone();
+    end.version = 3;
+    end.status = "succeeded".into();
+    end.terminal = true;
+    s.commit_final(&a, &end, 2, &[ev(3)]).await.unwrap();
+    let stored = s.load(&run).await.unwrap().unwrap();
+    assert_eq!((stored.version, stored.terminal), (3, true));
+    assert_eq!(s.lease_holder(&run).await.unwrap(), None);
+    assert!(!s.active_runs().await.unwrap().contains(&run));
+    let mut late = end.clone();
+    late.version = 4;
+    let fenced = s.commit(&a, &late, 3, &[ev(4)]).await;
+    assert!(matches!(fenced, Err(Error::Fenced { .. })), "{fenced:?}");
+    // Another node may take it at once (its lease was given up, not left to lapse).
+    let b = s.claim(&run, "node-b", TTL).await.unwrap();
+    assert!(b.token > a.token);
+    // A stale writer's final commit gives nothing up.
+    let refused = s.commit_final(&a, &late, 3, &[ev(4)]).await;
+    assert!(matches!(refused, Err(Error::Fenced { .. })), "{refused:?}");
+    assert_eq!(
+        s.lease_holder(&run).await.unwrap().as_deref(),
+        Some("node-b")
+    );
+}
+
 macro_rules! contract {
     ($($check:ident),* $(,)?) => {
         mod memory {
@@ -1207,6 +1238,7 @@ contract!(
     filtered_listings_follow_status_changes,
     transcript_is_append_only,
     create_claimed_owns_the_new_run,
+    commit_final_gives_the_lease_up,
 );
 
 /// The URL factory opens each kind.
