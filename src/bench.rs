@@ -51,6 +51,15 @@ pub struct BenchOptions {
     pub redis_stats_url: Option<String>,
 }
 
+/// What Redis received while the runs were created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisCreates {
+    /// Received from the start until the last create returned.
+    pub traffic: RedisTraffic,
+    /// Steps begun by then (the runs start as they are created).
+    pub steps_begun: u64,
+}
+
 /// Bytes Redis received and commands it ran (`INFO stats` `total_net_input_bytes`, the sum of
 /// `INFO commandstats` calls, Lua-internal calls included).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -155,6 +164,9 @@ pub struct BenchReport {
     /// turns `k·K/10 + 1 ..= (k+1)·K/10` of every run, as the runs advance together), as
     /// (first turn, last turn, bytes per step, commands per step).
     pub redis_by_turn: Vec<(u32, u32, f64, f64)>,
+    /// With `redis_stats_url`: what Redis received from the start until every run was
+    /// created (the creates, and the steps begun meanwhile), measured apart from the tenths.
+    pub redis_creates: Option<RedisCreates>,
     /// The first run's stored transcript entries and events, in bytes per step: what a step
     /// has to write at the least.
     pub stored_per_step: Option<f64>,
@@ -237,6 +249,16 @@ impl std::fmt::Display for BenchReport {
                     (per_step - stored) / 1024.0
                 )?;
             }
+        }
+        if let Some(c) = self.redis_creates {
+            let runs = self.runs.max(1) as f64;
+            write!(
+                f,
+                "\nredis creates      {:.2} KiB, {:.1} commands per run (until every run was created; {} steps had begun)",
+                c.traffic.input_bytes as f64 / 1024.0 / runs,
+                c.traffic.commands as f64 / runs,
+                c.steps_begun
+            )?;
         }
         if !self.redis_by_turn.is_empty() {
             write!(f, "\nredis by turn      ")?;
@@ -464,16 +486,30 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         Some(url) => Some(redis_traffic(url).await?),
         None => None,
     };
-    // Redis's counters at each tenth of the steps begun.
+    // Redis's counters once every run is created (what the creates cost is a run's, not a
+    // step's), then at each tenth of the steps begun after that.
     let sampling_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let all_created = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sampler = match (&opts.redis_stats_url, redis_before) {
-        (Some(url), Some(before)) if !park => {
+        (Some(url), Some(_)) if !park => {
             let (url, begun, stop) = (url.clone(), begun.clone(), sampling_done.clone());
+            let created = all_created.clone();
             let total = opts.runs as u64 * u64::from(steps);
             Some(tokio::spawn(async move {
-                let mut samples = vec![(0u64, before)];
+                let mut samples = Vec::new();
+                while !created.load(Ordering::Relaxed) {
+                    if stop.load(Ordering::Relaxed) {
+                        return samples;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                let first = begun.load(Ordering::Relaxed);
+                match redis_traffic(&url).await {
+                    Ok(t) => samples.push((first, t)),
+                    Err(_) => return samples,
+                }
                 for k in 1..=10u64 {
-                    let due = total * k / 10;
+                    let due = first + total.saturating_sub(first) * k / 10;
                     while begun.load(Ordering::Relaxed) < due {
                         if stop.load(Ordering::Relaxed) {
                             return samples;
@@ -523,6 +559,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             .into_iter()
             .collect::<Result<_, _>>()?
     };
+    all_created.store(true, Ordering::Relaxed);
     // Wait until every run has ended, polling the counters (cheap; no per-run waiters that
     // would add their own cost to what is measured).
     let metrics = handle.metrics().clone();
@@ -582,6 +619,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
     // The last tenth's sample is read once every step has begun; the rest of its steps'
     // commits came after, so that window is closed by the final reading.
     let mut redis_by_turn = Vec::new();
+    let mut redis_creates = None;
     sampling_done.store(true, Ordering::Relaxed);
     if let (Some(task), Some(after)) = (sampler, redis) {
         let mut samples = match tokio::time::timeout(Duration::from_secs(30), task).await {
@@ -589,20 +627,31 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
             _ => Vec::new(),
         };
         if samples.len() == 11
-            && let (Some(before), Some(last)) = (redis_before, samples.last_mut())
+            && let Some(before) = redis_before
         {
-            last.1 = RedisTraffic {
-                input_bytes: before.input_bytes + after.input_bytes,
-                commands: before.commands + after.commands,
-            };
-            last.0 = opts.runs as u64 * u64::from(steps);
-            for (k, pair) in samples.windows(2).enumerate() {
+            let (begun_then, at_created) = samples[0];
+            redis_creates = Some(RedisCreates {
+                traffic: RedisTraffic {
+                    input_bytes: at_created.input_bytes.saturating_sub(before.input_bytes),
+                    commands: at_created.commands.saturating_sub(before.commands),
+                },
+                steps_begun: begun_then,
+            });
+            if let Some(last) = samples.last_mut() {
+                last.1 = RedisTraffic {
+                    input_bytes: before.input_bytes + after.input_bytes,
+                    commands: before.commands + after.commands,
+                };
+                last.0 = opts.runs as u64 * u64::from(steps);
+            }
+            // A tenth's turns: the steps begun in it, spread over the runs.
+            let runs = opts.runs.max(1) as u64;
+            for pair in samples.windows(2) {
                 let ((s0, t0), (s1, t1)) = (pair[0], pair[1]);
                 let n = s1.saturating_sub(s0).max(1) as f64;
-                let k = k as u32;
                 redis_by_turn.push((
-                    k * steps / 10 + 1,
-                    (k + 1) * steps / 10,
+                    (s0 / runs + 1) as u32,
+                    (s1 / runs).max(s0 / runs + 1) as u32,
                     t1.input_bytes.saturating_sub(t0.input_bytes) as f64 / n,
                     t1.commands.saturating_sub(t0.commands) as f64 / n,
                 ));
@@ -654,6 +703,7 @@ pub async fn run(opts: BenchOptions, store: SharedStore) -> Result<BenchReport, 
         parked_rss,
         redis,
         redis_by_turn,
+        redis_creates,
         stored_per_step,
         failures: failures.into_iter().collect(),
     };
