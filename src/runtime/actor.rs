@@ -1151,7 +1151,7 @@ async fn apply(
 ) -> Result<Applied, ActorProcessingErr> {
     inject_fault(deps, live, &event);
     let (prev_version, prev_status) = (live.run.version, live.run.status);
-    let cause = Cause::of(&event);
+    let cause = Cause::of(&event, &live.run);
     let stepped = {
         let cx = StepContext {
             now_ms: now_ms(),
@@ -1182,21 +1182,27 @@ fn inject_fault(deps: &RunDeps, live: &Live, event: &RunEvent) {
 /// What a transition answers, as far as the commit window cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Cause {
-    /// A result of the run's own work: a model reply, a tool result, a verdict. Only these
-    /// may wait in the commit window.
+    /// A result the run may ask for again if it is lost: a model reply, a read-only call's
+    /// result, a verdict. Only these may wait in the commit window.
     Work,
-    /// A start or restart (a restart's count must survive the next crash), a timer, an abort.
+    /// A start or restart (a restart's count must survive the next crash), the result of a
+    /// call that writes (lost, it would be an unknown outcome), a timer, an abort.
     Lifecycle,
     /// A client's control: its requester is answered with what is stored.
     Control,
 }
 
 impl Cause {
-    fn of(event: &RunEvent) -> Cause {
+    fn of(event: &RunEvent, run: &RunState) -> Cause {
         match event {
-            RunEvent::ModelReplied { .. }
-            | RunEvent::ToolFinished { .. }
-            | RunEvent::VerificationDone { .. } => Cause::Work,
+            RunEvent::ModelReplied { .. } | RunEvent::VerificationDone { .. } => Cause::Work,
+            RunEvent::ToolFinished { call_id, .. }
+                if run
+                    .call(call_id)
+                    .is_some_and(|c| c.effect == crate::tool::ToolEffect::Read) =>
+            {
+                Cause::Work
+            }
             _ => Cause::Lifecycle,
         }
     }

@@ -260,8 +260,9 @@ impl Tool for StoredWhenCalled {
 }
 
 /// A call that writes leaves only once the reply asking for it, and everything the window
-/// held before it, is stored: the window before it (start, a read-only step) is committed
-/// with the write's dispatch.
+/// held before it, is stored: the window before it (a read-only step) is committed with the
+/// write's dispatch. Its result is stored at once too (lost, it would be an unknown outcome):
+/// start, that window, the result, and the answer with its verdict are four commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_is_sent_only_once_the_reply_asking_for_it_is_stored() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -285,8 +286,10 @@ async fn a_write_is_sent_only_once_the_reply_asking_for_it_is_stored() {
         .agent(AgentSpec::new("a", "m").tools(["echo", "write"]));
     b.config.commit_window = Some(Duration::from_secs(30));
     let h = b.start().await;
+    let metrics = h.handle.metrics().clone();
     let id = h.start_run("a", "go").await;
     finished(&h, &id).await;
+    assert_eq!(metrics.commits.load(Ordering::SeqCst), 4);
     let seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 1, "{seen:?}");
     let replies = seen[0].iter().filter(|k| *k == "model_replied").count();
