@@ -633,6 +633,25 @@ async fn renew_returns_lost_leases(s: &dyn Store) {
     assert!(!due.contains(&kept) && !due.contains(&lapsed), "{due:?}");
 }
 
+/// Waits for `run`, whose owner `a` renews nothing, to fall due when its lease lapses, then
+/// for node-b to claim it; the new lease's token is larger.
+async fn taken_over_after_lapse(s: &dyn Store, run: &RunId, a: &Lease) -> Lease {
+    eventually("the run to fall due", Duration::from_secs(5), || async {
+        s.due_runs(now(), 100)
+            .await
+            .unwrap()
+            .contains(run)
+            .then_some(())
+    })
+    .await;
+    let b = eventually("node-b to claim it", Duration::from_secs(5), || async {
+        s.claim(run, "node-b", TTL).await.ok()
+    })
+    .await;
+    assert!(b.token > a.token, "{} > {}", b.token, a.token);
+    b
+}
+
 async fn dead_owner_runs_fall_due_and_move_on(s: &dyn Store) {
     let run = created(s, "t1").await;
     let a = s
@@ -644,23 +663,7 @@ async fn dead_owner_runs_fall_due_and_move_on(s: &dyn Store) {
         Some("node-a")
     );
     // node-a dies: it renews nothing; the run falls due when its lease lapses.
-    eventually(
-        "the dead owner's run to fall due",
-        Duration::from_secs(5),
-        || async {
-            s.due_runs(now(), 100)
-                .await
-                .unwrap()
-                .contains(&run)
-                .then_some(())
-        },
-    )
-    .await;
-    let b = eventually("node-b to claim it", Duration::from_secs(5), || async {
-        s.claim(&run, "node-b", TTL).await.ok()
-    })
-    .await;
-    assert!(b.token > a.token, "{} > {}", b.token, a.token);
+    let b = taken_over_after_lapse(s, &run, &a).await;
     assert!(!s.due_runs(now(), 100).await.unwrap().contains(&run));
     assert!(
         s.due_runs(now() + 2 * TTL.as_millis() as u64, 100)
@@ -1092,20 +1095,8 @@ async fn create_claimed_owns_the_new_run(s: &dyn Store) {
         .await
         .unwrap();
     assert_eq!((out, lease), (CreateOutcome::Existing(run.clone()), None));
-    // node-a dies: the run falls due when its lease lapses, and node-b takes it over.
-    eventually("the run to fall due", Duration::from_secs(5), || async {
-        s.due_runs(now(), 100)
-            .await
-            .unwrap()
-            .contains(&run)
-            .then_some(())
-    })
-    .await;
-    let b = eventually("node-b to claim it", Duration::from_secs(5), || async {
-        s.claim(&run, "node-b", TTL).await.ok()
-    })
-    .await;
-    assert!(b.token > a.token, "{} > {}", b.token, a.token);
+    // node-a dies: it renews nothing; the run falls due when its lease lapses.
+    let b = taken_over_after_lapse(s, &run, &a).await;
     let fenced = s.commit(&a, &ckpt(&run, "t1", 3), 2, &[ev(3)]).await;
     assert!(matches!(fenced, Err(Error::Fenced { .. })), "{fenced:?}");
     step(s, &b, &c2).await;
