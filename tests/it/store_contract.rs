@@ -663,7 +663,7 @@ async fn dead_owner_runs_fall_due_and_move_on(s: &dyn Store) {
         Some("node-a")
     );
     // node-a dies: it renews nothing; the run falls due when its lease lapses.
-    let b = taken_over_after_lapse(s, &run, &a).await;
+    taken_over_after_lapse(s, &run, &a).await;
     assert!(!s.due_runs(now(), 100).await.unwrap().contains(&run));
     assert!(
         s.due_runs(now() + 2 * TTL.as_millis() as u64, 100)
